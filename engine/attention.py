@@ -1,0 +1,103 @@
+"""Attention over the paged KV pool: the torch reference path (CPU).
+
+Two shapes of work per layer:
+- prefill segments: a chunk of prompt queries, causal among themselves, on top of
+  ``context_len`` earlier tokens already in the pool;
+- a decode batch: one query per sequence, over variable-length contexts.
+
+GQA is computed without materialising repeated K/V heads: queries are viewed as
+``[kv_heads, group, ...]`` and multiplied against each KV head once. Triton kernels
+(``kernels/``) implement the same two functions for GPUs and are checked against these.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.forward_batch import DecodeBatch, PrefillSegment
+
+
+def write_kv(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_blocks: torch.Tensor,
+    slot_offsets: torch.Tensor,
+) -> None:
+    """Store new tokens' keys/values (``[T, kv_heads, head_dim]``) into their slots."""
+    k_pool[slot_blocks, slot_offsets] = k
+    v_pool[slot_blocks, slot_offsets] = v
+
+
+def gather_context(pool: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence as ``[length, kv_heads, head_dim]``."""
+    blocks = pool.index_select(0, block_table)
+    return blocks.reshape(-1, pool.shape[2], pool.shape[3])[:length]
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    seg: PrefillSegment,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for one prefill chunk; returns ``[length, heads, head_dim]``.
+
+    ``q``/``k_new``/``v_new`` are the chunk's own rows. With no earlier context the fresh
+    K/V are used directly; otherwise the whole context is read back from the pool (the
+    chunk's own K/V were written there before this call).
+    """
+    n = seg.length
+    if seg.context_len == 0:
+        keys, values = k_new, v_new
+        mask = None
+        causal = True
+    else:
+        total = seg.context_len + n
+        keys = gather_context(k_pool, seg.block_table, total)
+        values = gather_context(v_pool, seg.block_table, total)
+        # query i (absolute position context_len + i) sees keys 0..context_len + i
+        qpos = torch.arange(seg.context_len, total).unsqueeze(1)
+        kpos = torch.arange(total).unsqueeze(0)
+        mask = kpos <= qpos
+        causal = False
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    batch: DecodeBatch,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence (``q``: ``[B, heads, head_dim]``) over its paged context."""
+    b, heads, dim = q.shape
+    kv_heads = k_pool.shape[2]
+    max_len = batch.max_context_len
+    flat = batch.block_tables.reshape(-1)
+    # index_select on whole blocks is the cheapest gather torch has on CPU; the
+    # [B, T, kv, D] -> [B, kv, T, D] transpose stays a view that SDPA reads with strides.
+    keys = k_pool.index_select(0, flat).view(b, -1, kv_heads, dim)[:, :max_len].transpose(1, 2)
+    values = v_pool.index_select(0, flat).view(b, -1, kv_heads, dim)[:, :max_len].transpose(1, 2)
+    mask = None
+    if int(batch.context_lens.min()) < max_len:
+        mask = (torch.arange(max_len) < batch.context_lens.unsqueeze(1)).view(b, 1, 1, max_len)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out.view(b, heads, dim)

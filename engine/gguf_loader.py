@@ -1,0 +1,395 @@
+"""Read a llama-architecture GGUF file into a ModelConfig and Hugging Face-named tensors.
+
+The file is parsed with ``gguf.GGUFReader`` and every tensor is dequantized with
+``gguf.quants.dequantize`` (vectorized numpy), so any type that package can dequantize is
+accepted. llama.cpp's converter interleaves the rows of ``attn_q``/``attn_k`` per head for its
+rotary kernel; that permutation is undone here so the tensors equal the Hugging Face ones.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import numpy.typing as npt
+import torch
+from gguf import GGMLQuantizationType, GGUFValueType
+
+from engine.config import ModelConfig, RopeScaling
+from engine.errors import ModelLoadError, UnsupportedModelError
+
+GGUF_MAGIC = b"GGUF"
+
+_LAYER_TENSORS: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS: dict[str, str] = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# llama.cpp's rope_freqs tensor carries Llama 3 RoPE scaling; it is folded into the config.
+_ROPE_FREQS = "rope_freqs.weight"
+# Dequantize in numpy calls of about 16 * 4096 blocks: large enough to amortize the per-call
+# overhead, small enough for the temporaries to stay in cache.
+_BLOCKS_PER_ROW = 4096
+
+
+class _PlainArrayReader(gguf.GGUFReader):
+    """GGUFReader over a plain ndarray view of its memmap.
+
+    The reader slices its buffer hundreds of thousands of times for the tokenizer arrays;
+    ``np.memmap.__getitem__`` costs about three times a plain ndarray slice. The view still
+    holds the mapping open, so tensors stay zero-copy until dequantized.
+    """
+
+    @property  # type: ignore[override]
+    def data(self) -> npt.NDArray[Any]:
+        return self._plain_data
+
+    @data.setter
+    def data(self, value: npt.NDArray[Any]) -> None:
+        self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or ``None`` for tensors a llama does not use."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "weight":
+        suffix = _LAYER_TENSORS.get(parts[2])
+        if suffix is not None:
+            return f"model.layers.{int(parts[1])}.{suffix}.weight"
+    return None
+
+
+def unpermute_qk(weight: npt.NDArray[np.float32], n_head: int) -> npt.NDArray[np.float32]:
+    """Invert llama.cpp's ``permute(weights, n_head)`` on the rows of a q or k projection.
+
+    The converter reshapes rows as ``(n_head, 2, head_dim // 2)`` and swaps the last two
+    axes, turning HF's "rotate half" layout into interleaved pairs; swapping back restores
+    HF's rows. ``n_head`` is the head count for q and the KV head count for k.
+    """
+    rows = weight.shape[0]
+    if rows % (2 * n_head):
+        raise ModelLoadError(f"cannot un-permute {rows} rows into {n_head} heads of even size")
+    half = rows // n_head // 2
+    restored = weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2)
+    return np.ascontiguousarray(restored.reshape(weight.shape))
+
+
+def permute_qk(weight: npt.NDArray[np.float32], n_head: int) -> npt.NDArray[np.float32]:
+    """llama.cpp's forward permutation (the inverse of :func:`unpermute_qk`), for writers."""
+    half = weight.shape[0] // n_head // 2
+    permuted = weight.reshape(n_head, 2, half, *weight.shape[1:]).swapaxes(1, 2)
+    return np.ascontiguousarray(permuted.reshape(weight.shape))
+
+
+def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Load a llama GGUF file: its config and HF-named, contiguous tensors in ``dtype``.
+
+    Raises ``ModelLoadError`` for a file that is not GGUF, truncated or inconsistent, and
+    ``UnsupportedModelError`` for another architecture or a tensor type ``gguf`` cannot
+    dequantize. ``lm_head.weight`` is present only when the file has an ``output.weight``.
+    """
+    reader = _open_reader(path)
+    metadata = _Metadata(reader, path)
+    architecture = metadata.string("general.architecture")
+    if architecture != "llama":
+        raise UnsupportedModelError(
+            f"{path}: GGUF architecture {architecture!r} is not supported (only 'llama')"
+        )
+    by_name = {tensor.name: tensor for tensor in reader.tensors}
+    config = _read_config(metadata, by_name, path)
+
+    tensors: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        if name is None:
+            continue
+        weight = _dequantize(tensor, path)
+        if ".attn_q." in tensor.name:
+            weight = unpermute_qk(weight, config.num_heads)
+        elif ".attn_k." in tensor.name:
+            weight = unpermute_qk(weight, config.num_kv_heads)
+        tensors[name] = _to_torch(weight, dtype)
+    return config, tensors
+
+
+def _open_reader(path: Path) -> gguf.GGUFReader:
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as handle:
+            magic = handle.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read: {e}") from e
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(
+            f"{path}: not a GGUF file (starts with {magic!r}, not {GGUF_MAGIC!r}; {size} bytes)"
+        )
+    try:
+        reader = _PlainArrayReader(path)
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read: {e}") from e
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError) as e:
+        # The reader slices past the end of a short file and fails on the resulting shapes.
+        raise ModelLoadError(
+            f"{path}: GGUF file is truncated or corrupt ({size} bytes): {e}"
+        ) from e
+    if reader.byte_order != "I":
+        raise UnsupportedModelError(f"{path}: big-endian GGUF files are not supported")
+    return reader
+
+
+class _Metadata:
+    """Typed access to a reader's key/value fields with errors that name the key."""
+
+    def __init__(self, reader: gguf.GGUFReader, path: Path) -> None:
+        self._fields = reader.fields
+        self._path = path
+
+    def has(self, key: str) -> bool:
+        return key in self._fields
+
+    def _scalar(self, key: str) -> Any:
+        field = self._fields.get(key)
+        if field is None:
+            raise ModelLoadError(f"{self._path}: GGUF metadata key {key!r} is missing")
+        if field.types and field.types[0] == GGUFValueType.ARRAY:
+            values = field.contents()
+            if values and all(value == values[0] for value in values):
+                # Some converters store per-layer values; uniform ones are a plain scalar.
+                return values[0]
+            raise UnsupportedModelError(
+                f"{self._path}: GGUF metadata {key!r} varies per layer, which is not supported"
+            )
+        return field.contents()
+
+    def integer(self, key: str) -> int:
+        value = self._scalar(key)
+        if isinstance(value, str | bytes) or (isinstance(value, float) and not value.is_integer()):
+            raise ModelLoadError(
+                f"{self._path}: GGUF metadata {key!r} is not an integer: {value!r}"
+            )
+        return int(value)
+
+    def number(self, key: str) -> float:
+        value = self._scalar(key)
+        if isinstance(value, str | bytes):
+            raise ModelLoadError(f"{self._path}: GGUF metadata {key!r} is not a number: {value!r}")
+        if self._fields[key].types[-1] == GGUFValueType.FLOAT32:
+            # The shortest float32 repr recovers the converter's decimal (1e-05, not 9.99e-06).
+            return float(str(np.float32(value)))
+        return float(value)
+
+    def string(self, key: str) -> str:
+        value = self._scalar(key)
+        if not isinstance(value, str):
+            raise ModelLoadError(f"{self._path}: GGUF metadata {key!r} is not a string: {value!r}")
+        return value
+
+    def array_length(self, key: str) -> int | None:
+        field = self._fields.get(key)
+        if field is None or not field.types or field.types[0] != GGUFValueType.ARRAY:
+            return None
+        return len(field.data)
+
+
+def _read_config(
+    metadata: _Metadata, tensors: dict[str, gguf.ReaderTensor], path: Path
+) -> ModelConfig:
+    hidden = metadata.integer("llama.embedding_length")
+    heads = metadata.integer("llama.attention.head_count")
+    kv_heads = (
+        metadata.integer("llama.attention.head_count_kv")
+        if metadata.has("llama.attention.head_count_kv")
+        else heads
+    )
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+        raise ModelLoadError(f"{path}: invalid head counts heads={heads} kv_heads={kv_heads}")
+    head_dim = _head_dim(metadata, hidden, heads, path)
+    rope_theta = (
+        metadata.number("llama.rope.freq_base") if metadata.has("llama.rope.freq_base") else 1e4
+    )
+    vocab = _vocab_size(metadata, tensors, path)
+    return ModelConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=metadata.integer("llama.feed_forward_length"),
+        num_layers=metadata.integer("llama.block_count"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=metadata.number("llama.attention.layer_norm_rms_epsilon"),
+        rope_theta=rope_theta,
+        max_position_embeddings=metadata.integer("llama.context_length"),
+        tie_word_embeddings="output.weight" not in tensors,
+        rope_scaling=_rope_scaling(metadata, tensors, head_dim, rope_theta, path),
+        name=path.stem,
+    )
+
+
+def _head_dim(metadata: _Metadata, hidden: int, heads: int, path: Path) -> int:
+    if metadata.has("llama.attention.key_length"):
+        head_dim = metadata.integer("llama.attention.key_length")
+    elif metadata.has("llama.rope.dimension_count"):
+        head_dim = metadata.integer("llama.rope.dimension_count")
+    else:
+        head_dim = hidden // heads
+    if metadata.has("llama.attention.value_length"):
+        value_dim = metadata.integer("llama.attention.value_length")
+        if value_dim != head_dim:
+            raise UnsupportedModelError(
+                f"{path}: key head dim {head_dim} != value head dim {value_dim} is not supported"
+            )
+    if metadata.has("llama.rope.dimension_count"):
+        rotary = metadata.integer("llama.rope.dimension_count")
+        if rotary != head_dim:
+            raise UnsupportedModelError(
+                f"{path}: partial rotary embedding (rope.dimension_count={rotary}, "
+                f"head_dim={head_dim}) is not supported"
+            )
+    if head_dim <= 0 or head_dim % 2:
+        raise ModelLoadError(f"{path}: invalid head dim {head_dim}")
+    return head_dim
+
+
+def _vocab_size(metadata: _Metadata, tensors: dict[str, gguf.ReaderTensor], path: Path) -> int:
+    if metadata.has("llama.vocab_size"):
+        return metadata.integer("llama.vocab_size")
+    token_count = metadata.array_length("tokenizer.ggml.tokens")
+    if token_count is not None:
+        return token_count
+    embedding = tensors.get("token_embd.weight")
+    if embedding is None:
+        raise ModelLoadError(f"{path}: GGUF file has no token_embd.weight tensor")
+    # GGUF dims are in ggml's ne order (innermost first): rows are the last one.
+    return int(embedding.shape[-1])
+
+
+def _rope_scaling(
+    metadata: _Metadata,
+    tensors: dict[str, gguf.ReaderTensor],
+    head_dim: int,
+    rope_theta: float,
+    path: Path,
+) -> RopeScaling | None:
+    kind = (
+        metadata.string("llama.rope.scaling.type")
+        if metadata.has("llama.rope.scaling.type")
+        else "none"
+    )
+    if kind == "linear":
+        factor = metadata.number("llama.rope.scaling.factor")
+        if metadata.has("llama.rope.scaling.original_context_length"):
+            original = metadata.integer("llama.rope.scaling.original_context_length")
+            return RopeScaling(
+                kind="linear", factor=factor, original_max_position_embeddings=original
+            )
+        return RopeScaling(kind="linear", factor=factor)
+    if kind != "none":
+        raise UnsupportedModelError(f"{path}: RoPE scaling type {kind!r} is not supported")
+    if _ROPE_FREQS in tensors:
+        return _llama3_scaling_from_freqs(
+            _dequantize(tensors[_ROPE_FREQS], path), head_dim, rope_theta, metadata, path
+        )
+    return None
+
+
+def llama3_rope_factors(scaling: RopeScaling, head_dim: int, rope_theta: float) -> np.ndarray:
+    """The per-frequency divisors llama.cpp stores as ``rope_freqs`` for Llama 3 scaling."""
+    inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    original = scaling.original_max_position_embeddings
+    low_freq_wavelen = original / scaling.low_freq_factor
+    high_freq_wavelen = original / scaling.high_freq_factor
+    smooth = (original / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    factors = 1.0 / ((1 - smooth) / scaling.factor + smooth)
+    factors = np.where(wavelen < high_freq_wavelen, 1.0, factors)
+    factors = np.where(wavelen > low_freq_wavelen, scaling.factor, factors)
+    return factors.astype(np.float32)
+
+
+def _llama3_scaling_from_freqs(
+    stored: npt.NDArray[np.float32],
+    head_dim: int,
+    rope_theta: float,
+    metadata: _Metadata,
+    path: Path,
+) -> RopeScaling:
+    # GGUF keeps only the resulting factors, not Llama 3's parameters. Every Llama 3.x release
+    # uses low=1, high=4 over an 8192 original context and differs only in ``factor`` (the
+    # largest divisor), so rebuild with those and accept only if the factors match exactly.
+    original = (
+        metadata.integer("llama.rope.scaling.original_context_length")
+        if metadata.has("llama.rope.scaling.original_context_length")
+        else 8192
+    )
+    candidate = RopeScaling(
+        kind="llama3", factor=float(stored.max()), original_max_position_embeddings=original
+    )
+    expected = llama3_rope_factors(candidate, head_dim, rope_theta)
+    if stored.shape != expected.shape or not np.allclose(stored, expected, rtol=1e-5, atol=0):
+        raise UnsupportedModelError(
+            f"{path}: rope_freqs tensor does not match Llama 3 RoPE scaling with "
+            f"low_freq_factor=1, high_freq_factor=4, original context {original}"
+        )
+    return candidate
+
+
+def _dequantize(tensor: gguf.ReaderTensor, path: Path) -> npt.NDArray[np.float32]:
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    try:
+        weight = _dequantize_blocks(tensor.data, qtype)
+    except NotImplementedError as e:
+        raise UnsupportedModelError(
+            f"{path}: tensor {tensor.name!r} has type {qtype.name}, which cannot be dequantized"
+        ) from e
+    except ValueError as e:
+        raise ModelLoadError(
+            f"{path}: tensor {tensor.name!r} ({qtype.name}) is corrupt: {e}"
+        ) from e
+    expected_shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
+    if weight.shape != expected_shape:
+        raise ModelLoadError(
+            f"{path}: tensor {tensor.name!r} dequantized to shape {weight.shape}, "
+            f"expected {expected_shape}"
+        )
+    return weight
+
+
+def _dequantize_blocks(data: npt.NDArray[Any], qtype: GGMLQuantizationType) -> npt.NDArray[Any]:
+    if data.dtype != np.uint8 or data.ndim == 0 or qtype not in gguf.GGML_QUANT_SIZES:
+        return gguf.quants.dequantize(data, qtype)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    if data.shape[-1] % type_size:
+        raise ValueError(f"row of {data.shape[-1]} bytes is not whole {qtype.name} blocks")
+    # gguf dequantizes 16 rows per numpy call, which is slow for narrow rows. Blocks are
+    # self-contained, so regroup them into wide rows (up to _BLOCKS_PER_ROW) first.
+    n_blocks = data.size // type_size
+    per_row = min(n_blocks, _BLOCKS_PER_ROW)
+    while n_blocks % per_row:
+        per_row -= 1
+    flat = gguf.quants.dequantize(data.reshape(n_blocks // per_row, per_row * type_size), qtype)
+    return flat.reshape(*data.shape[:-1], data.shape[-1] // type_size * block_size)
+
+
+def _to_torch(weight: npt.NDArray[np.float32], dtype: torch.dtype) -> torch.Tensor:
+    if not weight.flags.writeable or not weight.flags.c_contiguous:
+        # F32 tensors are views into the read-only file mapping; own the memory instead.
+        weight = np.array(weight, dtype=np.float32, order="C")
+    return torch.from_numpy(weight).to(dtype).contiguous()

@@ -1,0 +1,287 @@
+"""The colocated engine: one process runs prefill and decode with continuous batching.
+
+This is the monolithic baseline every benchmark compares against, and the core the decode
+and prefill workers build on. The loop is ``step()``: schedule -> forward -> sample ->
+postprocess; callers add and abort requests between steps (one thread drives it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.checkpoint import Checkpoint, load_checkpoint
+from engine.errors import CapacityError, InvalidRequestError
+from engine.kv_cache import KVCache, KVCacheSpec
+from engine.model import LlamaModel
+from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from engine.sequence import FinishReason, Sequence
+from engine.tokenizer import Tokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes an engine. ``None`` model means the embedded default."""
+
+    model: str | None = None
+    dtype: str = "float32"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides kv_cache_bytes
+    kv_cache_bytes: int = 1 << 30
+    max_model_len: int | None = None  # default: the checkpoint's context
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None  # default: max_model_len, or 512 when chunked
+    chunked_prefill: bool = False
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise InvalidRequestError(f"block_size must be a power of two, got {self.block_size}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+@dataclass
+class CompletionResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        checkpoint: Checkpoint | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        ckpt = checkpoint or load_checkpoint(config.model, dtype=config.torch_dtype)
+        self.config = config
+        self.model_config = ckpt.config
+        self.tokenizer = tokenizer or Tokenizer.from_path(ckpt.path)
+        self.model = LlamaModel(ckpt.config, ckpt.tensors)
+        self.max_model_len = min(
+            config.max_model_len or ckpt.config.max_position_embeddings,
+            ckpt.config.max_position_embeddings,
+        )
+        num_blocks = config.num_kv_blocks or KVCacheSpec.blocks_for_bytes(
+            ckpt.config,
+            config.kv_cache_bytes,
+            block_size=config.block_size,
+            dtype=config.torch_dtype,
+        )
+        if num_blocks < 1:
+            raise CapacityError("the KV cache budget is smaller than one block")
+        self.kv_spec = KVCacheSpec.for_model(
+            ckpt.config,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            dtype=config.torch_dtype,
+        )
+        self.kv = KVCache(self.kv_spec)
+        self.blocks = BlockManager(
+            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        budget = config.max_num_batched_tokens or (
+            512 if config.chunked_prefill else self.max_model_len
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=budget,
+                chunked_prefill=config.chunked_prefill,
+            ),
+            self.blocks,
+        )
+        self.runner = ModelRunner(self.model, self.kv)
+        self.outputs = OutputProcessor(self.tokenizer, self.tokenizer.eos_token_ids)
+        self._ids = itertools.count()
+        self.num_preemptions = 0
+
+    @classmethod
+    def from_path(cls, model: str | Path | None = None, **kwargs: object) -> LLMEngine:
+        return cls(EngineConfig(model=None if model is None else str(model), **kwargs))  # type: ignore[arg-type]
+
+    # -- requests --------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise InvalidRequestError(
+                    f"prompt token {i} is {t!r}: token ids must be integers in [0, {vocab})"
+                )
+        return ids
+
+    def add_request(
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and queue a request; returns its id. Raises InvalidRequestError."""
+        params = params or SamplingParams()
+        ids = self.encode_prompt(prompt)
+        params.check_against(
+            prompt_len=len(ids),
+            max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+        )
+        needed = self.blocks.blocks_needed(len(ids) + params.max_tokens)
+        if needed > self.blocks.num_blocks:
+            raise CapacityError(
+                f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) needs {needed} KV "
+                f"blocks; the cache has {self.blocks.num_blocks}"
+            )
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if self.scheduler.get(rid) is not None:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator().manual_seed(params.seed)
+        seq = Sequence(rid, ids, params, time.monotonic(), generator=gen)
+        self.scheduler.add(seq)
+        self.outputs.add(rid, params)
+        return rid
+
+    def abort_request(self, request_id: str) -> bool:
+        """Cancel a request and free its blocks; False if it is not (or no longer) here."""
+        seq = self.scheduler.get(request_id)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        self.outputs.remove(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- the loop --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        self.num_preemptions += len(plan.preempted)
+        if not plan.scheduled:
+            return []
+        now = time.monotonic()
+        for it in plan.scheduled:
+            if it.seq.first_scheduled_time is None:
+                it.seq.first_scheduled_time = now
+        sampled = self.runner.execute(plan.scheduled)
+        for it in plan.scheduled:
+            self.scheduler.advance(it)
+        outs: list[RequestOutput] = []
+        for s in sampled:
+            seq = s.item.seq
+            seq.output_ids.append(s.token_id)
+            seq.output_logprobs.append(s.logprob)
+            room = self.max_model_len - seq.num_tokens
+            delta, reason = self.outputs.process(seq.request_id, s.token_id, room)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self.outputs.remove(seq.request_id)
+            outs.append(
+                RequestOutput(
+                    request_id=seq.request_id,
+                    new_token_ids=(s.token_id,),
+                    new_logprobs=(s.logprob,),
+                    text_delta=delta,
+                    finished=reason is not None,
+                    finish_reason=None if reason is None else reason.value,
+                    num_prompt_tokens=len(seq.prompt_ids),
+                    num_output_tokens=len(seq.output_ids),
+                    num_cached_tokens=seq.num_cached_tokens,
+                )
+            )
+        return outs
+
+    # -- conveniences ----------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Seq[str | Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[CompletionResult]:
+        """Run prompts to completion together (continuous batching); results in order."""
+        plist = (
+            list(params)
+            if isinstance(params, (list, tuple))
+            else [params or SamplingParams()] * len(prompts)
+        )
+        results: dict[str, CompletionResult] = {}
+        order = []
+        for prompt, p in zip(prompts, plist, strict=True):
+            rid = self.add_request(prompt, p)
+            seq = self.scheduler.get(rid)
+            assert seq is not None
+            results[rid] = CompletionResult(rid, list(seq.prompt_ids))
+            order.append(rid)
+        while self.has_unfinished():
+            for out in self.step():
+                r = results[out.request_id]
+                r.token_ids.extend(out.new_token_ids)
+                r.logprobs.extend(out.new_logprobs)
+                r.text += out.text_delta
+                r.num_cached_tokens = out.num_cached_tokens
+                if out.finished:
+                    r.finish_reason = out.finish_reason
+        return [results[r] for r in order]
+
+    def stream(
+        self, prompt: str | Seq[int], params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Run one request alone, yielding its events as they are produced."""
+        rid = self.add_request(prompt, params)
+        try:
+            while True:
+                for out in self.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.abort_request(rid)
+
+    def prompt_logits(self, prompt: str | Seq[int]) -> torch.Tensor:
+        """float32 logits of the next token after ``prompt`` (scoring; engine must be idle)."""
+        if self.has_unfinished():
+            raise RuntimeError("prompt_logits needs an idle engine")
+        ids = self.encode_prompt(prompt)
+        if len(ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; the context is {self.max_model_len}"
+            )
+        seq = Sequence("__score__", ids, SamplingParams(max_tokens=1), time.monotonic())
+        seq.block_table = self.blocks.allocate(self.blocks.blocks_needed(len(ids)))
+        try:
+            return self.runner.logits_for([ScheduledSeq(seq, len(ids))])[0]
+        finally:
+            self.blocks.free(seq.block_table)

@@ -1,0 +1,133 @@
+"""Turns a scheduler step into one forward pass and one sampling call.
+
+Owns the model, the KV pool and the sampler. Builds the flat ``ForwardBatch`` (prefill
+chunks first, then every one-token sequence as a single decode batch), runs it, and samples
+a token for each sequence whose step reached its end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from engine.forward_batch import DecodeBatch, ForwardBatch, PrefillSegment
+from engine.kv_cache import KVCache
+from engine.model import LlamaModel
+from engine.sampler import Sampler
+from engine.scheduler import ScheduledSeq
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    item: ScheduledSeq
+    token_id: int
+    logprob: float
+
+
+def build_forward_batch(items: Seq[ScheduledSeq], block_size: int) -> ForwardBatch:
+    """Lay out the step's tokens; pure function of the scheduled sequences."""
+    prefills = [it for it in items if not _is_decode(it)]
+    decodes = [it for it in items if _is_decode(it)]
+    ids: list[int] = []
+    pos: list[int] = []
+    blocks: list[int] = []
+    offs: list[int] = []
+    logits_idx: list[int] = []
+    segments: list[PrefillSegment] = []
+    for it in prefills:
+        seq, start = it.seq, len(ids)
+        first = seq.num_computed
+        end = first + it.num_tokens
+        for p in range(first, end):
+            ids.append(seq.token_at(p))
+            pos.append(p)
+            blocks.append(seq.block_table[p // block_size])
+            offs.append(p % block_size)
+        nblk = -(-end // block_size)
+        segments.append(
+            PrefillSegment(
+                start=start,
+                length=it.num_tokens,
+                context_len=first,
+                block_table=torch.tensor(seq.block_table[:nblk], dtype=torch.int64),
+            )
+        )
+        if it.samples:
+            logits_idx.append(len(ids) - 1)
+    decode: DecodeBatch | None = None
+    if decodes:
+        start = len(ids)
+        lens = [it.seq.num_computed + 1 for it in decodes]
+        max_len = max(lens)
+        max_blocks = -(-max_len // block_size)
+        table = torch.zeros((len(decodes), max_blocks), dtype=torch.int64)
+        for r, it in enumerate(decodes):
+            seq = it.seq
+            p = seq.num_computed
+            ids.append(seq.token_at(p))
+            pos.append(p)
+            blocks.append(seq.block_table[p // block_size])
+            offs.append(p % block_size)
+            nb = -(-(p + 1) // block_size)
+            table[r, :nb] = torch.tensor(seq.block_table[:nb], dtype=torch.int64)
+            logits_idx.append(len(ids) - 1)
+        decode = DecodeBatch(
+            start=start,
+            block_tables=table,
+            context_lens=torch.tensor(lens, dtype=torch.int64),
+            max_context_len=max_len,
+        )
+    return ForwardBatch(
+        input_ids=torch.tensor(ids, dtype=torch.int64),
+        positions=torch.tensor(pos, dtype=torch.int64),
+        slot_blocks=torch.tensor(blocks, dtype=torch.int64),
+        slot_offsets=torch.tensor(offs, dtype=torch.int64),
+        prefills=tuple(segments),
+        decode=decode,
+        logits_indices=torch.tensor(logits_idx, dtype=torch.int64),
+    )
+
+
+def ordered(items: Seq[ScheduledSeq]) -> list[ScheduledSeq]:
+    """The order of rows in the forward batch (and hence of sampled tokens)."""
+    return [it for it in items if not _is_decode(it)] + [it for it in items if _is_decode(it)]
+
+
+def _is_decode(it: ScheduledSeq) -> bool:
+    return it.num_tokens == 1 and it.seq.num_computed > 0
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: KVCache) -> None:
+        self.model = model
+        self.kv = kv
+        self.sampler = Sampler()
+        self.block_size = kv.spec.block_size
+
+    def execute(self, items: Seq[ScheduledSeq]) -> list[SampledToken]:
+        if not items:
+            return []
+        rows = ordered(items)
+        batch = build_forward_batch(rows, self.block_size)
+        hidden = self.model.forward(batch, self.kv)
+        sampling = [it for it in rows if it.samples]
+        if not sampling:
+            return []
+        logits = self.model.compute_logits(hidden)
+        out = self.sampler(
+            logits,
+            [it.seq.params for it in sampling],
+            [it.seq.generator for it in sampling],
+        )
+        toks = out.token_ids.tolist()
+        lps = out.logprobs.tolist()
+        return [SampledToken(it, t, lp) for it, t, lp in zip(sampling, toks, lps, strict=True)]
+
+    @torch.inference_mode()
+    def logits_for(self, items: Seq[ScheduledSeq]) -> torch.Tensor:
+        """Forward one step and return the sampled rows' logits (tests and parity checks)."""
+        rows = ordered(items)
+        batch = build_forward_batch(rows, self.block_size)
+        return self.model.compute_logits(self.model.forward(batch, self.kv))

@@ -1,0 +1,86 @@
+"""From sampled tokens to what a client sees: text deltas, stop conditions, finish reasons.
+
+Owns one incremental detokenizer and stop-string checker per request. Pure bookkeeping over
+token ids: the engine calls ``process`` once per sampled token and finishes the sequence
+when it returns a finish reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+from engine.sequence import FinishReason
+from engine.stop_checker import StopChecker
+from engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request (a streaming event)."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_logprobs: tuple[float, ...]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class _Stream:
+    params: SamplingParams
+    detok: IncrementalDetokenizer | None
+    stop: StopChecker | None
+    num_output: int = 0
+    text: list[str] = field(default_factory=list)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int]) -> None:
+        self.tokenizer = tokenizer
+        self.eos = eos_token_ids
+        self._streams: dict[str, _Stream] = {}
+
+    def add(self, request_id: str, params: SamplingParams) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        stop = StopChecker(params.stop) if params.stop else None
+        self._streams[request_id] = _Stream(params, detok, stop)
+
+    def remove(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def process(
+        self, request_id: str, token_id: int, room_left: int
+    ) -> tuple[str, FinishReason | None]:
+        """Account one sampled token; return the text it releases and why it finishes, if so.
+
+        ``room_left`` is how many more tokens fit in the context after this one.
+        """
+        s = self._streams[request_id]
+        s.num_output += 1
+        p = s.params
+        is_eos = token_id in self.eos and not p.ignore_eos
+        if is_eos or token_id in p.stop_token_ids:
+            # The stop token itself is not part of the text.
+            return self._flush(s), FinishReason.STOP
+        delta = s.detok.add(token_id) if s.detok is not None else ""
+        if s.stop is not None:
+            delta, stopped = s.stop.feed(delta)
+            if stopped:
+                return delta, FinishReason.STOP
+        if s.num_output >= p.max_tokens or room_left <= 0:
+            return delta + self._flush(s), FinishReason.LENGTH
+        return delta, None
+
+    def _flush(self, s: _Stream) -> str:
+        tail = s.detok.flush() if s.detok is not None else ""
+        if s.stop is not None:
+            tail, stopped = s.stop.feed(tail) if tail else ("", False)
+            if not stopped:
+                tail += s.stop.flush()
+        return tail

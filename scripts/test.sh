@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Install everything the tests need, then run them. Extra arguments go to pytest.
+#   bash scripts/test.sh                 the default (CI) suite
+#   bash scripts/test.sh -m slow         only the slow tests
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+bash scripts/setup.sh --test
+
+$PY -m ruff check .
+$PY -m ruff format --check .
+
+set +e
+$PY -m pytest -m "not slow" "$@"
+rc=$?
+set -e
+if [[ $rc -eq 5 ]]; then
+  echo "pytest collected no tests: failing on purpose" >&2
+  exit 1
+fi
+exit $rc

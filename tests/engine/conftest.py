@@ -1,0 +1,40 @@
+"""Shared fixtures: the real default model, loaded once per test session."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from engine.checkpoint import Checkpoint, load_checkpoint
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="session")
+def default_checkpoint() -> Checkpoint:
+    return load_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_checkpoint: Checkpoint) -> Tokenizer:
+    return Tokenizer.from_path(default_checkpoint.path)
+
+
+@pytest.fixture(scope="session")
+def make_engine(
+    default_checkpoint: Checkpoint, default_tokenizer: Tokenizer
+) -> Callable[..., LLMEngine]:
+    """Build an engine on the real model with config overrides, sharing loaded weights."""
+
+    def make(**overrides: object) -> LLMEngine:
+        overrides.setdefault("num_kv_blocks", 512)
+        cfg = EngineConfig(**overrides)  # type: ignore[arg-type]
+        return LLMEngine(cfg, checkpoint=default_checkpoint, tokenizer=default_tokenizer)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def default_engine(make_engine: Callable[..., LLMEngine]) -> LLMEngine:
+    return make_engine()
