@@ -78,22 +78,50 @@ def prefill_attention(
     return out.squeeze(0).transpose(0, 1)
 
 
+class Workspace:
+    """Scratch buffers reused across layers and steps (grow, never shrink).
+
+    Why: a fresh multi-megabyte tensor per layer is a fresh mmap, and its page faults cost
+    more than the gather that fills it.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for n in shape:
+            numel *= n
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = torch.empty(max(numel, 1), dtype=dtype)
+            self._bufs[name] = buf
+        return buf[:numel].view(shape)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
     batch: DecodeBatch,
     scale: float,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """One query per sequence (``q``: ``[B, heads, head_dim]``) over its paged context."""
     b, heads, dim = q.shape
     kv_heads = k_pool.shape[2]
     max_len = batch.max_context_len
     flat = batch.block_tables.reshape(-1)
+    ws = workspace or Workspace()
+    gathered = (flat.numel(), *k_pool.shape[1:])
+    kbuf = ws.get("k", gathered, k_pool.dtype)
+    vbuf = ws.get("v", gathered, v_pool.dtype)
     # index_select on whole blocks is the cheapest gather torch has on CPU; the
     # [B, T, kv, D] -> [B, kv, T, D] transpose stays a view that SDPA reads with strides.
-    keys = k_pool.index_select(0, flat).view(b, -1, kv_heads, dim)[:, :max_len].transpose(1, 2)
-    values = v_pool.index_select(0, flat).view(b, -1, kv_heads, dim)[:, :max_len].transpose(1, 2)
+    torch.index_select(k_pool, 0, flat, out=kbuf)
+    torch.index_select(v_pool, 0, flat, out=vbuf)
+    keys = kbuf.view(b, -1, kv_heads, dim)[:, :max_len].transpose(1, 2)
+    values = vbuf.view(b, -1, kv_heads, dim)[:, :max_len].transpose(1, 2)
     mask = None
     if int(batch.context_lens.min()) < max_len:
         mask = (torch.arange(max_len) < batch.context_lens.unsqueeze(1)).view(b, 1, 1, max_len)

@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from engine.attention import decode_attention, prefill_attention, write_kv
+from engine.attention import Workspace, decode_attention, prefill_attention, write_kv
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
@@ -52,6 +52,7 @@ class LlamaModel:
         self.rope = RotaryEmbedding(config, self.dtype)
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.eps = config.rms_norm_eps
+        self.workspace = Workspace()
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Hugging Face normalises in float32 and casts back before the weight multiply.
@@ -100,7 +101,9 @@ class LlamaModel:
             outs.append(prefill_attention(q[sl], k[sl], v[sl], k_pool, v_pool, seg, self.scale))
         if batch.decode is not None:
             d = batch.decode
-            outs.append(decode_attention(q[d.start :], k_pool, v_pool, d, self.scale))
+            outs.append(
+                decode_attention(q[d.start :], k_pool, v_pool, d, self.scale, self.workspace)
+            )
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         return out.reshape(out.shape[0], -1)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.llm_engine import EngineConfig, LLMEngine
@@ -19,6 +20,17 @@ def default_checkpoint() -> Checkpoint:
 @pytest.fixture(scope="session")
 def default_tokenizer(default_checkpoint: Checkpoint) -> Tokenizer:
     return Tokenizer.from_path(default_checkpoint.path)
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model(default_checkpoint: Checkpoint):
+    """transformers' model on the same GGUF: the parity reference (test-only dependency)."""
+    import transformers
+
+    path = default_checkpoint.path
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(scope="session")

@@ -47,19 +47,13 @@ def llama_names(num_layers: int, *, tie: bool) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def real() -> Checkpoint:
-    return load_checkpoint()
+def real(default_checkpoint: Checkpoint) -> Checkpoint:
+    return default_checkpoint
 
 
 @pytest.fixture(scope="module")
-def transformers_weights() -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
-    return {name: tensor.detach() for name, tensor in model.state_dict().items()}
+def transformers_weights(hf_gguf_model) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach() for name, tensor in hf_gguf_model.state_dict().items()}
 
 
 # --- the real default model -------------------------------------------------------------

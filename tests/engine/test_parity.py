@@ -4,16 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
+import transformers
 
-from engine.checkpoint import Checkpoint, load_checkpoint
+from engine.checkpoint import load_checkpoint
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from tests.engine.tiny_models import write_tiny_hf_checkpoint
-
-transformers = pytest.importorskip("transformers")
 
 NEW_TOKENS = 64
 LOGIT_RTOL = 1e-3
@@ -81,14 +79,6 @@ def _check(engine: LLMEngine, hf_model, prompts: list[list[int]]) -> None:
         logits = engine.prompt_logits(ids)
         rel = (logits - ref_logits).abs().max() / ref_logits.abs().max()
         assert rel.item() <= LOGIT_RTOL, f"relative logit error {rel.item():.2e}"
-
-
-@pytest.fixture(scope="module")
-def hf_gguf_model(default_checkpoint: Checkpoint):
-    path = default_checkpoint.path
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
 
 
 def test_prompt_set_is_diverse(default_tokenizer: Tokenizer) -> None:
