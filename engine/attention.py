@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.forward_batch import DecodeBatch, PrefillSegment
+from kernels.paged_attention import cpu_kernel_available, decode_attention_cpu
 
 
 def write_kv(
@@ -100,6 +101,22 @@ class Workspace:
 
 
 def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    batch: DecodeBatch,
+    scale: float,
+    workspace: Workspace | None = None,
+) -> torch.Tensor:
+    """Decode attention: the CPU kernel where it applies, else the torch reference."""
+    if q.dtype == torch.float32 and q.device.type == "cpu" and cpu_kernel_available():
+        return decode_attention_cpu(
+            q.contiguous(), k_pool, v_pool, batch.block_tables, batch.context_lens, scale
+        )
+    return decode_attention_reference(q, k_pool, v_pool, batch, scale, workspace)
+
+
+def decode_attention_reference(
     q: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,

@@ -1,0 +1,97 @@
+"""Checking launchers for paged decode attention kernels.
+
+``decode_attention_cpu`` runs ``csrc/paged_decode_attention.cpp``: it reads each
+sequence's keys and values in place from the pool's blocks, where the torch reference
+(``engine/attention.py``) first gathers them into a contiguous copy. The extension is
+compiled on first use with the machine's C++ compiler (torch.utils.cpp_extension, cached
+under ``TORCH_EXTENSIONS_DIR``); if that is impossible the engine keeps the reference path.
+Set ``PDSERVE_CPU_KERNELS=0`` to force the reference.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import structlog
+import torch
+
+log = structlog.get_logger(__name__)
+
+_SRC = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_failed = False
+
+
+def _load() -> ModuleType | None:
+    global _module, _failed
+    with _lock:
+        if _module is not None or _failed:
+            return _module
+        if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
+            _failed = True
+            return None
+        try:
+            from torch.utils.cpp_extension import load
+
+            _module = load(
+                name="pdserve_paged_decode_attention",
+                sources=[str(_SRC)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"],
+                verbose=False,
+            )
+        except Exception as e:  # no compiler, no ninja, no headers: keep the reference
+            _failed = True
+            log.warning("cpu_kernel_unavailable", kernel="paged_decode_attention", error=str(e))
+        return _module
+
+
+def cpu_kernel_available() -> bool:
+    return _load() is not None
+
+
+def decode_attention_cpu(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Paged decode attention; returns ``[B, heads, head_dim]``.
+
+    Contract: ``q`` is ``[B, heads, D]``; ``k_pool``/``v_pool`` one layer's
+    ``[num_blocks, block_size, kv_heads, D]``; ``block_tables`` ``[B, max_blocks]`` covers
+    ``context_lens[b]`` tokens for every row; everything float32, contiguous, on the CPU.
+    """
+    mod = _load()
+    if mod is None:
+        raise RuntimeError("the CPU paged attention kernel is not available")
+    b, heads, dim = q.shape
+    n, block, kv_heads, kdim = k_pool.shape
+    if kdim != dim or v_pool.shape != k_pool.shape:
+        raise ValueError(f"pool shapes {tuple(k_pool.shape)}/{tuple(v_pool.shape)} vs q {dim}")
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads do not group over {kv_heads} kv heads")
+    for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool)):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous float32 CPU tensor")
+    if block_tables.dtype != torch.int64 or block_tables.dim() != 2 or block_tables.shape[0] != b:
+        raise ValueError("block_tables must be int64 [B, max_blocks]")
+    if context_lens.dtype != torch.int64 or context_lens.shape != (b,):
+        raise ValueError("context_lens must be int64 [B]")
+    block_tables = block_tables.contiguous()
+    context_lens = context_lens.contiguous()
+    if b and (
+        int(context_lens.min()) < 1
+        or int(context_lens.max()) > block_tables.shape[1] * block
+        or int(block_tables.min()) < 0
+        or int(block_tables.max()) >= n
+    ):
+        raise ValueError("context_lens or block_tables out of range for the pool")
+    out = torch.empty_like(q)
+    mod.paged_decode_attention(out, q, k_pool, v_pool, block_tables, context_lens, scale)
+    return out
