@@ -22,10 +22,10 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.errors import EngineError
+from engine.errors import EngineError, ResourceExhaustedError
 
 
-class NoFreeBlocksError(EngineError):
+class NoFreeBlocksError(ResourceExhaustedError):
     """Fewer free blocks than asked for; nothing was allocated."""
 
 

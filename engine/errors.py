@@ -2,7 +2,8 @@
 
 Every error derives from ``EngineError``; ``InvalidRequestError`` is the caller's fault
 (maps to HTTP 400 / gRPC INVALID_ARGUMENT), ``ModelLoadError`` is a bad checkpoint path or
-file (the process cannot serve), ``CapacityError`` means the request can never fit.
+file (the process cannot serve), ``CapacityError`` means the request can never fit, and
+``ResourceExhaustedError`` means it does not fit now (maps to RESOURCE_EXHAUSTED / 429).
 """
 
 
@@ -20,6 +21,10 @@ class ModelLoadError(EngineError):
 
 class UnsupportedModelError(ModelLoadError):
     """The checkpoint is readable but uses an architecture or tensor type we do not run."""
+
+
+class ResourceExhaustedError(EngineError):
+    """No capacity right now (KV blocks, batch slots); the same request may succeed later."""
 
 
 class CapacityError(EngineError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +18,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.checkpoint import Checkpoint, load_checkpoint
-from engine.errors import CapacityError, InvalidRequestError
+from engine.errors import CapacityError, InvalidRequestError, ResourceExhaustedError
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
@@ -27,6 +27,11 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import Tokenizer
+
+
+def _generator(params: SamplingParams) -> torch.Generator | None:
+    return None if params.seed is None else torch.Generator().manual_seed(params.seed)
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,6 +61,26 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """A prompt admitted for a prefill-only pass: its local blocks are allocated."""
+
+    request_id: str
+    block_ids: tuple[int, ...]  # every block of the prompt, cached prefix first
+    num_prompt_tokens: int
+    num_cached_tokens: int  # served from this worker's prefix cache
+
+
+@dataclass(frozen=True)
+class PrefillOutput:
+    request_id: str
+    token_id: int  # the first generated token
+    logprob: float
+    block_ids: tuple[int, ...]  # still held: call ``release`` once the KV has been sent
+    num_prompt_tokens: int
+    num_cached_tokens: int
 
 
 @dataclass
@@ -121,6 +146,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.tokenizer.eos_token_ids)
         self._ids = itertools.count()
         self.num_preemptions = 0
+        # Sequences outside the scheduler: prefill plans awaiting release, and decode
+        # reservations awaiting their KV. Their blocks are allocated.
+        self._held: dict[str, Sequence] = {}
 
     @classmethod
     def from_path(cls, model: str | Path | None = None, **kwargs: object) -> LLMEngine:
@@ -164,18 +192,128 @@ class LLMEngine:
                 f"blocks; the cache has {self.blocks.num_blocks}"
             )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if self.scheduler.get(rid) is not None:
+        if self.scheduler.get(rid) is not None or rid in self._held:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator().manual_seed(params.seed)
-        seq = Sequence(rid, ids, params, time.monotonic(), generator=gen)
+        seq = Sequence(rid, ids, params, time.monotonic(), generator=_generator(params))
         self.scheduler.add(seq)
         self.outputs.add(rid, params)
         return rid
 
+    # -- disaggregated roles -----------------------------------------------------------
+    # A prefill worker calls plan_prefill -> run_prefill -> (send KV) -> release.
+    # A decode worker calls reserve -> (prefill worker fills the blocks) -> add_prefilled,
+    # or cancel_reservation if the prefill failed. Both run on the engine's one thread.
+
+    def plan_prefill(
+        self, request_id: str, prompt_ids: Seq[int], params: SamplingParams
+    ) -> PrefillPlan:
+        """Validate a prompt and allocate its blocks (reusing cached prefix blocks).
+
+        Raises InvalidRequestError, CapacityError, or ResourceExhaustedError when the pool
+        is full right now. The blocks stay held until ``release``.
+        """
+        ids = self.encode_prompt(list(prompt_ids))
+        params.check_against(
+            prompt_len=len(ids),
+            max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+        )
+        if request_id in self._held or self.scheduler.get(request_id) is not None:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, ids, params, time.monotonic(), generator=_generator(params))
+        hit = self.scheduler.match_prefix(seq)
+        need = self.blocks.blocks_needed(len(ids)) - len(seq.block_table)
+        if need > self.blocks.num_blocks:
+            self.scheduler.undo_hit(seq, hit)
+            raise CapacityError(
+                f"prompt needs {need} KV blocks; the cache has {self.blocks.num_blocks}"
+            )
+        try:
+            seq.block_table.extend(self.blocks.allocate(need))
+        except Exception:
+            self.scheduler.undo_hit(seq, hit)
+            raise
+        self._held[request_id] = seq
+        return PrefillPlan(request_id, tuple(seq.block_table), len(ids), seq.num_cached_tokens)
+
+    def run_prefill(
+        self, plans: Seq[PrefillPlan], on_layer_kv: Callable[[int], None] | None = None
+    ) -> list[PrefillOutput]:
+        """Compute planned prompts in one forward pass and sample each first token.
+
+        ``on_layer_kv(i)`` fires when layer ``i``'s KV of every prompt is in the pool.
+        """
+        seqs = [self._held[p.request_id] for p in plans]
+        items = [ScheduledSeq(seq, seq.pending) for seq in seqs]
+        sampled = {s.item.seq.request_id: s for s in self.runner.execute(items, on_layer_kv)}
+        outs = []
+        for it in items:
+            self.scheduler.advance(it)
+            seq = it.seq
+            tok = sampled[seq.request_id]
+            outs.append(
+                PrefillOutput(
+                    seq.request_id,
+                    tok.token_id,
+                    tok.logprob,
+                    tuple(seq.block_table),
+                    len(seq.prompt_ids),
+                    seq.num_cached_tokens,
+                )
+            )
+        return outs
+
+    def release(self, request_id: str) -> bool:
+        """Free a prefill plan's blocks (they stay in the prefix cache) or a reservation."""
+        seq = self._held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.release(seq)
+        return True
+
+    def reserve(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams) -> list[int]:
+        """Validate and allocate blocks for a prompt another worker will prefill."""
+        ids = self.encode_prompt(list(prompt_ids))
+        params.check_against(
+            prompt_len=len(ids),
+            max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+        )
+        if request_id in self._held or self.scheduler.get(request_id) is not None:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if len(self.scheduler.running) + len(self._held) >= self.config.max_num_seqs:
+            raise ResourceExhaustedError(
+                f"decode batch is full ({self.config.max_num_seqs} sequences)"
+            )
+        needed = self.blocks.blocks_needed(len(ids) + params.max_tokens)
+        if needed > self.blocks.num_blocks:
+            raise CapacityError(
+                f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) needs {needed} KV "
+                f"blocks; the cache has {self.blocks.num_blocks}"
+            )
+        seq = Sequence(request_id, ids, params, time.monotonic(), generator=_generator(params))
+        seq.block_table = self.blocks.allocate(self.blocks.blocks_needed(len(ids)))
+        self._held[request_id] = seq
+        return list(seq.block_table)
+
+    def cancel_reservation(self, request_id: str) -> bool:
+        return self.release(request_id)
+
+    def add_prefilled(
+        self, request_id: str, first_token: int, first_logprob: float
+    ) -> RequestOutput:
+        """Join a reserved sequence whose prompt KV has arrived; returns its first event."""
+        seq = self._held.pop(request_id)
+        seq.num_computed = len(seq.prompt_ids)
+        self.scheduler.add_running(seq)
+        self.scheduler.advance(ScheduledSeq(seq, 0))  # publish the prompt's full blocks
+        self.outputs.add(request_id, seq.params)
+        return self._emit(seq, first_token, first_logprob)
+
     def abort_request(self, request_id: str) -> bool:
         """Cancel a request and free its blocks; False if it is not (or no longer) here."""
+        if self.release(request_id):
+            return True
         seq = self.scheduler.get(request_id)
         if seq is None:
             return False
@@ -199,30 +337,27 @@ class LLMEngine:
         sampled = self.runner.execute(plan.scheduled)
         for it in plan.scheduled:
             self.scheduler.advance(it)
-        outs: list[RequestOutput] = []
-        for s in sampled:
-            seq = s.item.seq
-            seq.output_ids.append(s.token_id)
-            seq.output_logprobs.append(s.logprob)
-            room = self.max_model_len - seq.num_tokens
-            delta, reason = self.outputs.process(seq.request_id, s.token_id, room)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                self.outputs.remove(seq.request_id)
-            outs.append(
-                RequestOutput(
-                    request_id=seq.request_id,
-                    new_token_ids=(s.token_id,),
-                    new_logprobs=(s.logprob,),
-                    text_delta=delta,
-                    finished=reason is not None,
-                    finish_reason=None if reason is None else reason.value,
-                    num_prompt_tokens=len(seq.prompt_ids),
-                    num_output_tokens=len(seq.output_ids),
-                    num_cached_tokens=seq.num_cached_tokens,
-                )
-            )
-        return outs
+        return [self._emit(s.item.seq, s.token_id, s.logprob) for s in sampled]
+
+    def _emit(self, seq: Sequence, token_id: int, logprob: float) -> RequestOutput:
+        seq.output_ids.append(token_id)
+        seq.output_logprobs.append(logprob)
+        room = self.max_model_len - seq.num_tokens
+        delta, reason = self.outputs.process(seq.request_id, token_id, room)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self.outputs.remove(seq.request_id)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=(token_id,),
+            new_logprobs=(logprob,),
+            text_delta=delta,
+            finished=reason is not None,
+            finish_reason=None if reason is None else reason.value,
+            num_prompt_tokens=len(seq.prompt_ids),
+            num_output_tokens=len(seq.output_ids),
+            num_cached_tokens=seq.num_cached_tokens,
+        )
 
     # -- conveniences ----------------------------------------------------------------
     def generate(

@@ -9,6 +9,7 @@ and reads/writes keys and values in the paged pool (``engine/kv_cache.py``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -61,8 +62,18 @@ class LlamaModel:
         return weight * xf.to(x.dtype)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """Run all layers over the batch; returns final hidden states of ``logits_indices``."""
+    def forward(
+        self,
+        batch: ForwardBatch,
+        kv: KVCache,
+        on_layer_kv: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Run all layers over the batch; returns final hidden states of ``logits_indices``.
+
+        ``on_layer_kv(i)`` is called as soon as layer ``i``'s keys and values are in the
+        pool, before the layer's attention and MLP run: a prefill worker starts moving that
+        layer's KV to the decode worker while the rest of the model computes.
+        """
         cfg = self.config
         x = F.embedding(batch.input_ids, self.embed)
         cos, sin = self.rope.tables(batch.positions)
@@ -77,6 +88,8 @@ class LlamaModel:
             k = self.rope.apply(k, cos, sin)
             k_pool, v_pool = kv.keys(i), kv.values(i)
             write_kv(k_pool, v_pool, k, v, batch.slot_blocks, batch.slot_offsets)
+            if on_layer_kv is not None:
+                on_layer_kv(i)
             attn = self._attention(q, k, v, k_pool, v_pool, batch)
             x = x + F.linear(attn, layer.o)
             h = self._rms_norm(x, layer.mlp_norm)

@@ -7,6 +7,7 @@ a token for each sequence whose step reached its end.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -106,12 +107,14 @@ class ModelRunner:
         self.sampler = Sampler()
         self.block_size = kv.spec.block_size
 
-    def execute(self, items: Seq[ScheduledSeq]) -> list[SampledToken]:
+    def execute(
+        self, items: Seq[ScheduledSeq], on_layer_kv: Callable[[int], None] | None = None
+    ) -> list[SampledToken]:
         if not items:
             return []
         rows = ordered(items)
         batch = build_forward_batch(rows, self.block_size)
-        hidden = self.model.forward(batch, self.kv)
+        hidden = self.model.forward(batch, self.kv, on_layer_kv)
         sampling = [it for it in rows if it.samples]
         if not sampling:
             return []

@@ -73,6 +73,14 @@ class Scheduler:
         self._by_id[seq.request_id] = seq
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """Join a sequence whose KV is already in its blocks (computed by a prefill worker)."""
+        if seq.request_id in self._by_id:
+            raise ValueError(f"request id {seq.request_id!r} is already in the engine")
+        self._by_id[seq.request_id] = seq
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def get(self, request_id: str) -> Sequence | None:
         return self._by_id.get(request_id)
 
@@ -89,7 +97,7 @@ class Scheduler:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
-        self._release(seq)
+        self.release(seq)
         self._by_id.pop(seq.request_id, None)
 
     @property
@@ -137,16 +145,16 @@ class Scheduler:
             seq = self.waiting[0]
             hit_blocks: list[int] = []
             if seq.num_computed == 0 and not seq.block_table:
-                hit_blocks = self._match_prefix(seq)
+                hit_blocks = self.match_prefix(seq)
             n = seq.pending
             if cfg.chunked_prefill:
                 n = min(n, budget)
             elif n > budget and scheduled:
-                self._undo_hit(seq, hit_blocks)
+                self.undo_hit(seq, hit_blocks)
                 break  # whole prompts only: wait for an emptier step
             need = self.blocks.blocks_needed(seq.num_computed + n) - len(seq.block_table)
             if need > 0 and not self.blocks.can_allocate(need):
-                self._undo_hit(seq, hit_blocks)
+                self.undo_hit(seq, hit_blocks)
                 break  # head-of-line waits for blocks; FCFS keeps fairness
             if need > 0:
                 seq.block_table.extend(self.blocks.allocate(need))
@@ -156,7 +164,8 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
 
-    def _match_prefix(self, seq: Sequence) -> list[int]:
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Give a fresh sequence the cached blocks of its longest cached prefix."""
         bs = self.blocks.block_size
         # At least one token must be computed to produce logits, so the cached prefix
         # covers at most num_tokens - 1 tokens.
@@ -171,7 +180,7 @@ class Scheduler:
                 seq.num_cached_tokens = hit.num_tokens
         return list(hit.block_ids)
 
-    def _undo_hit(self, seq: Sequence, hit_blocks: list[int]) -> None:
+    def undo_hit(self, seq: Sequence, hit_blocks: list[int]) -> None:
         if hit_blocks:
             self.blocks.free(hit_blocks)
             seq.block_table = []
@@ -180,12 +189,13 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._release(seq)
+        self.release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence) -> None:
+        """Free a sequence's blocks and forget its progress (it keeps its tokens)."""
         if seq.block_table:
             self.blocks.free(seq.block_table)
         seq.block_table = []

@@ -102,6 +102,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         if out.finished:
             sys.stdout.write("\n")
+            sys.stdout.flush()
             print(
                 f"[{out.num_output_tokens} tokens, finish_reason={out.finish_reason}]",
                 file=sys.stderr,

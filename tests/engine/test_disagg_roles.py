@@ -1,0 +1,117 @@
+"""The engine's prefill-only and decode-only roles give the colocated engine's tokens.
+
+The KV moves between the two engines' pools layer by layer, from inside the prefill
+forward pass, through the same byte ranges the transfer layer uses.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.errors import ResourceExhaustedError
+from engine.kv_cache import KVCache
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+def _copy_layer(src: KVCache, dst: KVCache, layer: int, src_blocks, dst_blocks) -> int:
+    sbytes, dbytes = src.as_bytes(), dst.as_bytes()
+    moved = 0
+    # block by block: the two sides' runs of consecutive ids need not line up
+    bb = src.spec.block_bytes
+    for kv in (0, 1):
+        for s, d in zip(src_blocks, dst_blocks, strict=True):
+            so = src.spec.offset(layer, kv, s)
+            do = dst.spec.offset(layer, kv, d)
+            dbytes[do : do + bb] = sbytes[so : so + bb]
+            moved += bb
+    return moved
+
+
+def _disaggregated(prefill: LLMEngine, decode: LLMEngine, prompts, params) -> list[list[int]]:
+    layers_seen: list[int] = []
+    reserved = {}
+    plans = []
+    for i, ids in enumerate(prompts):
+        rid = f"r{i}"
+        reserved[rid] = decode.reserve(rid, ids, params)
+        plans.append(prefill.plan_prefill(rid, ids, params))
+    moved = 0
+
+    def on_layer(layer: int) -> None:
+        nonlocal moved
+        layers_seen.append(layer)
+        for p in plans:
+            moved += _copy_layer(prefill.kv, decode.kv, layer, p.block_ids, reserved[p.request_id])
+
+    outs = prefill.run_prefill(plans, on_layer)
+    assert layers_seen == list(range(prefill.model_config.num_layers))
+    expected = sum(len(p.block_ids) for p in plans) * prefill.kv_spec.block_bytes * 2 * 30
+    assert moved == expected
+    tokens: dict[str, list[int]] = {}
+    for o in outs:
+        assert prefill.release(o.request_id)
+        ev = decode.add_prefilled(o.request_id, o.token_id, o.logprob)
+        tokens[o.request_id] = list(ev.new_token_ids)
+    while decode.has_unfinished():
+        for ev in decode.step():
+            tokens[ev.request_id].extend(ev.new_token_ids)
+    return [tokens[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def prompts(default_tokenizer) -> list[list[int]]:
+    qs = ["What is the capital of France?", "Write a limerick about a cat.", "2+2=?"]
+    return [
+        default_tokenizer.encode(
+            default_tokenizer.apply_chat_template([{"role": "user", "content": q}])
+        )
+        for q in qs
+    ]
+
+
+def test_disaggregated_roles_equal_colocated(make_engine, prompts) -> None:
+    colocated = make_engine().generate(prompts, GREEDY)
+    prefill = make_engine(num_kv_blocks=64)
+    decode = make_engine(num_kv_blocks=200)
+    # fragment the decode pool so block ids differ from the prefill side
+    hold = decode.blocks.allocate(7)
+    got = _disaggregated(prefill, decode, prompts, GREEDY)
+    decode.blocks.free(hold)
+    assert got == [r.token_ids for r in colocated]
+    assert prefill.blocks.num_free_blocks == prefill.blocks.num_blocks
+    assert decode.blocks.num_free_blocks == decode.blocks.num_blocks
+
+
+def test_prefill_worker_reuses_its_prefix_cache(make_engine, prompts) -> None:
+    prefill = make_engine(num_kv_blocks=64)
+    decode = make_engine(num_kv_blocks=200)
+    first = _disaggregated(prefill, decode, prompts[:1], GREEDY)
+    plan = prefill.plan_prefill("again", prompts[0], GREEDY)
+    assert plan.num_cached_tokens >= 16
+    prefill.release("again")
+    second = _disaggregated(prefill, decode, prompts[:1], GREEDY)
+    assert first == second
+
+
+def test_reservations_are_bounded_and_cancellable(make_engine, prompts) -> None:
+    decode = make_engine(num_kv_blocks=64, max_num_seqs=2)
+    decode.reserve("a", prompts[0], GREEDY)
+    decode.reserve("b", prompts[1], GREEDY)
+    with pytest.raises(ResourceExhaustedError):
+        decode.reserve("c", prompts[2], GREEDY)
+    assert decode.cancel_reservation("a")
+    assert decode.abort_request("b")
+    assert not decode.cancel_reservation("a")
+    assert decode.blocks.num_free_blocks == decode.blocks.num_blocks
+
+
+def test_full_pool_is_resource_exhausted(make_engine, prompts) -> None:
+    prefill = make_engine(num_kv_blocks=4)
+    prefill.plan_prefill("a", prompts[1], GREEDY)
+    with pytest.raises(ResourceExhaustedError):
+        prefill.plan_prefill("b", prompts[1], GREEDY)
+    assert prefill.release("a")
+    assert prefill.blocks.num_free_blocks == prefill.blocks.num_blocks
