@@ -321,6 +321,11 @@ class LLMEngine:
         self.outputs.remove(request_id)
         return True
 
+    @property
+    def num_held(self) -> int:
+        """Prefill plans and decode reservations holding blocks outside the scheduler."""
+        return len(self._held)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 

@@ -1,0 +1,282 @@
+"""An ``LLMEngine`` driven by its own thread, for asyncio services.
+
+The engine is not thread-safe and its steps block for tens of milliseconds, so it gets one
+thread that alone touches it (one owner of the state). Coroutines talk to it through a
+command queue; results come back as futures and per-request asyncio queues.
+
+Loop (the engine thread): receive commands -> run a batch of queued prefill-only prompts
+(prefill role) -> one ``step()`` of continuous batching (colocated and decode roles) ->
+hand each event to its request's asyncio queue. Idle, it blocks on the command queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine, PrefillOutput, PrefillPlan
+from engine.output_processor import RequestOutput
+from engine.sampling_params import SamplingParams
+
+log = structlog.get_logger(__name__)
+
+_IDLE_WAIT_S = 0.05
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for heartbeats and metrics (read on the engine thread)."""
+
+    running: int
+    waiting: int
+    held: int
+    free_blocks: int
+    total_blocks: int
+    num_preemptions: int
+    queued_prefill_tokens: int
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
+
+
+@dataclass
+class _PrefillJob:
+    plan: PrefillPlan
+    on_layer_kv: Callable[[PrefillPlan, int], None] | None
+    future: Future[PrefillOutput]
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, *, prefill_token_budget: int = 4096) -> None:
+        self.engine = engine
+        self.prefill_token_budget = prefill_token_budget
+        self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._prefills: list[_PrefillJob] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._stats = self._snapshot()
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put((lambda: None, Future()))
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout)
+
+    @property
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams) + len(self._prefills)
+
+    # -- calls (coroutines) -------------------------------------------------------------
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine thread between steps and return its result."""
+        fut: Future[Any] = Future()
+        self._commands.put((fn, fut))
+        return await asyncio.wrap_future(fut)
+
+    async def generate(
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Colocated: queue a request and stream its events; cancelling aborts it."""
+        q = self._open(request_id)
+        try:
+            await self.call(lambda: self.engine.add_request(prompt, params, request_id))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        async for ev in self._drain(request_id, q):
+            yield ev
+
+    async def reserve(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> list[int]:
+        """Decode role: allocate blocks for a prompt that a prefill worker will fill."""
+        return await self.call(lambda: self.engine.reserve(request_id, prompt_ids, params))
+
+    async def join_prefilled(
+        self, request_id: str, first_token: int, first_logprob: float
+    ) -> AsyncIterator[RequestOutput]:
+        """Decode role: the reserved blocks hold the prompt's KV; stream the generation."""
+        q = self._open(request_id)
+
+        def add() -> None:
+            ev = self.engine.add_prefilled(request_id, first_token, first_logprob)
+            self._deliver(ev)
+
+        try:
+            await self.call(add)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        async for ev in self._drain(request_id, q):
+            yield ev
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        on_layer_kv: Callable[[PrefillPlan, int], None] | None = None,
+    ) -> PrefillOutput:
+        """Prefill role: compute the prompt (batched with others queued close together).
+
+        ``on_layer_kv(plan, layer)`` runs on the engine thread as each layer's KV lands.
+        The blocks stay held: call ``release`` once the KV has been sent.
+        """
+        fut: Future[PrefillOutput] = Future()
+
+        def enqueue() -> PrefillPlan:
+            plan = self.engine.plan_prefill(request_id, prompt_ids, params)
+            self._prefills.append(_PrefillJob(plan, on_layer_kv, fut))
+            return plan
+
+        await self.call(enqueue)
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            await self.release(request_id)
+            raise
+
+    async def release(self, request_id: str) -> bool:
+        return await self.call(lambda: self.engine.release(request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.call(lambda: self.engine.abort_request(request_id))
+
+    # -- streams ------------------------------------------------------------------------
+    def _open(self, request_id: str) -> asyncio.Queue[RequestOutput | BaseException]:
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already streaming")
+        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = q
+        return q
+
+    async def _drain(
+        self, request_id: str, q: asyncio.Queue[RequestOutput | BaseException]
+    ) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                ev = await q.get()
+                if isinstance(ev, BaseException):
+                    raise ev
+                yield ev
+                if ev.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # the consumer went away: free the blocks
+                self._commands.put((lambda: self.engine.abort_request(request_id), Future()))
+
+    def _deliver(self, ev: RequestOutput) -> None:
+        q = self._streams.get(ev.request_id)
+        if q is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(q.put_nowait, ev)
+
+    # -- the engine thread --------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            busy = eng.has_unfinished() or bool(self._prefills)
+            self._run_commands(block=not busy)
+            try:
+                if self._prefills:
+                    self._run_prefills()
+                if eng.has_unfinished():
+                    for ev in eng.step():
+                        self._deliver(ev)
+            except Exception as e:  # an engine bug must not kill the thread silently
+                log.exception("engine_step_failed")
+                self._fail_all(e)
+            self._stats = self._snapshot()
+
+    def _run_commands(self, *, block: bool) -> None:
+        try:
+            fn, fut = (
+                self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            )
+        except queue.Empty:
+            return
+        while True:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:
+                    fut.set_exception(e)
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run_prefills(self) -> None:
+        batch: list[_PrefillJob] = []
+        tokens = 0
+        while self._prefills:
+            job = self._prefills[0]
+            n = job.plan.num_prompt_tokens - job.plan.num_cached_tokens
+            if batch and tokens + n > self.prefill_token_budget:
+                break
+            batch.append(self._prefills.pop(0))
+            tokens += n
+        plans = [j.plan for j in batch]
+        hooks = [(j.plan, j.on_layer_kv) for j in batch if j.on_layer_kv is not None]
+
+        def on_layer(layer: int) -> None:
+            for plan, hook in hooks:
+                hook(plan, layer)
+
+        t0 = time.perf_counter()
+        try:
+            outs = self.engine.run_prefill(plans, on_layer if hooks else None)
+        except Exception as e:
+            for j in batch:
+                self.engine.release(j.plan.request_id)
+                j.future.set_exception(e)
+            return
+        log.debug("prefill_batch", size=len(batch), tokens=tokens, seconds=time.perf_counter() - t0)
+        for j, out in zip(batch, outs, strict=True):
+            j.future.set_result(out)
+
+    def _fail_all(self, e: Exception) -> None:
+        for rid in list(self._streams):
+            q = self._streams.get(rid)
+            if q is not None and self._loop is not None:
+                self._loop.call_soon_threadsafe(q.put_nowait, e)
+            self.engine.abort_request(rid)
+
+    def _snapshot(self) -> EngineStats:
+        eng = self.engine
+        sched = eng.scheduler
+        return EngineStats(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            held=eng.num_held,
+            free_blocks=eng.blocks.num_free_blocks,
+            total_blocks=eng.blocks.num_blocks,
+            num_preemptions=eng.num_preemptions,
+            queued_prefill_tokens=sum(
+                j.plan.num_prompt_tokens - j.plan.num_cached_tokens for j in self._prefills
+            ),
+        )

@@ -1,0 +1,100 @@
+"""The engine thread behind asyncio: streams, concurrency, cancellation, roles."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3,"]
+
+
+async def _collect(aeng: AsyncEngine, rid: str, prompt: str) -> list[int]:
+    toks: list[int] = []
+    async for ev in aeng.generate(rid, prompt, GREEDY):
+        toks.extend(ev.new_token_ids)
+    return toks
+
+
+async def test_concurrent_streams_equal_sync_generate(make_engine) -> None:
+    expected = [r.token_ids for r in make_engine().generate(PROMPTS, GREEDY)]
+    aeng = AsyncEngine(make_engine())
+    aeng.start()
+    try:
+        got = await asyncio.wait_for(
+            asyncio.gather(*(_collect(aeng, f"r{i}", p) for i, p in enumerate(PROMPTS))), 120
+        )
+    finally:
+        await aeng.stop()
+    assert got == expected
+
+
+async def test_consumer_going_away_frees_blocks(make_engine) -> None:
+    eng = make_engine()
+    aeng = AsyncEngine(eng)
+    aeng.start()
+    try:
+        stream = aeng.generate("x", "Tell me a long story", SamplingParams(max_tokens=500))
+        async for _ in stream:
+            break
+        await stream.aclose()
+        for _ in range(100):
+            if eng.blocks.num_free_blocks == eng.blocks.num_blocks and not eng.has_unfinished():
+                break
+            await asyncio.sleep(0.02)
+        assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+        assert not eng.has_unfinished()
+    finally:
+        await aeng.stop()
+
+
+async def test_bad_request_raises_and_engine_keeps_serving(make_engine) -> None:
+    aeng = AsyncEngine(make_engine())
+    aeng.start()
+    try:
+        with pytest.raises(InvalidRequestError):
+            async for _ in aeng.generate("bad", "", GREEDY):
+                pass
+        assert len(await _collect(aeng, "good", "Hello")) == GREEDY.max_tokens
+    finally:
+        await aeng.stop()
+
+
+async def test_prefill_and_decode_roles(make_engine, default_tokenizer) -> None:
+    ids = default_tokenizer.encode("The three primary colors are")
+    expected = make_engine().generate([ids], GREEDY)[0].token_ids
+    pre, dec = AsyncEngine(make_engine(num_kv_blocks=32)), AsyncEngine(make_engine())
+    pre.start()
+    dec.start()
+    try:
+        blocks = await dec.reserve("r", ids, GREEDY)
+        layers: list[int] = []
+
+        def hook(plan, layer: int) -> None:
+            layers.append(layer)
+            src, dst = pre.engine.kv, dec.engine.kv
+            bb = src.spec.block_bytes
+            for kv in (0, 1):
+                for s, d in zip(plan.block_ids, blocks, strict=True):
+                    so, do = src.spec.offset(layer, kv, s), dst.spec.offset(layer, kv, d)
+                    dst.as_bytes()[do : do + bb] = src.as_bytes()[so : so + bb]
+
+        out = await pre.prefill("r", ids, GREEDY, hook)
+        assert layers == list(range(30))
+        assert await pre.release("r")
+        toks: list[int] = []
+        async for ev in dec.join_prefilled("r", out.token_id, out.logprob):
+            toks.extend(ev.new_token_ids)
+        assert toks == expected
+        assert (
+            pre.stats.free_blocks == pre.stats.total_blocks
+            or pre.engine.blocks.num_free_blocks == 32
+        )
+    finally:
+        await pre.stop()
+        await dec.stop()
