@@ -23,6 +23,7 @@ from engine.kv_cache import KVCache, KVCacheSpec
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor, RequestOutput
+from engine.sampler import skip_draws
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence
@@ -101,7 +102,10 @@ class LLMEngine:
         *,
         checkpoint: Checkpoint | None = None,
         tokenizer: Tokenizer | None = None,
+        kv_memory: Callable[[KVCacheSpec], torch.Tensor] | None = None,
     ) -> None:
+        """``kv_memory(spec)`` supplies the pool's memory (e.g. a registered shared-memory
+        region a prefill worker writes into); by default the engine allocates it."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         ckpt = checkpoint or load_checkpoint(config.model, dtype=config.torch_dtype)
@@ -127,7 +131,7 @@ class LLMEngine:
             block_size=config.block_size,
             dtype=config.torch_dtype,
         )
-        self.kv = KVCache(self.kv_spec)
+        self.kv = KVCache(self.kv_spec, kv_memory(self.kv_spec) if kv_memory else None)
         self.blocks = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
@@ -304,6 +308,8 @@ class LLMEngine:
     ) -> RequestOutput:
         """Join a reserved sequence whose prompt KV has arrived; returns its first event."""
         seq = self._held.pop(request_id)
+        if seq.generator is not None and not seq.params.greedy:
+            skip_draws(seq.generator, self.model_config.vocab_size)  # token 0 came from prefill
         seq.num_computed = len(seq.prompt_ids)
         self.scheduler.add_running(seq)
         self.scheduler.advance(ScheduledSeq(seq, 0))  # publish the prompt's full blocks

@@ -254,3 +254,15 @@ def _restrict_to_nucleus(
         kept = max(int(torch.count_nonzero(mass_before < limits[row])), 1)
         F.threshold_(row_weights, _just_below(heaviest[kept - 1])[0], 0.0)
         token_ids[row] = torch.argmax(row_weights / exp_noise[row])
+
+
+def skip_draws(generator: torch.Generator, vocab: int, steps: int = 1) -> None:
+    """Advance a seeded row's generator past ``steps`` sampled tokens.
+
+    A sequence's first token may be sampled on another worker (the prefill worker); the
+    decode worker continues the same random stream by consuming exactly what ``Sampler``
+    would have drawn for those tokens, so seeded output is the same disaggregated or not.
+    """
+    scratch = torch.empty(vocab, dtype=torch.float32)
+    for _ in range(steps):
+        scratch.uniform_(generator=generator)

@@ -85,6 +85,13 @@ def test_disaggregated_roles_equal_colocated(make_engine, prompts) -> None:
     assert decode.blocks.num_free_blocks == decode.blocks.num_blocks
 
 
+def test_seeded_sampling_is_the_same_disaggregated(make_engine, prompts) -> None:
+    seeded = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=99, ignore_eos=True)
+    colocated = make_engine().generate(prompts[:2], seeded)
+    got = _disaggregated(make_engine(num_kv_blocks=64), make_engine(), prompts[:2], seeded)
+    assert got == [r.token_ids for r in colocated]
+
+
 def test_prefill_worker_reuses_its_prefix_cache(make_engine, prompts) -> None:
     prefill = make_engine(num_kv_blocks=64)
     decode = make_engine(num_kv_blocks=200)
