@@ -155,8 +155,16 @@ class AsyncEngine:
         try:
             return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
-            await self.release(request_id)
+            # Runs between batches on the engine thread: drops the queued job, or frees the
+            # blocks of one that already ran.
+            self._commands.put((lambda: self._cancel_prefill(request_id), Future()))
             raise
+
+    def _cancel_prefill(self, request_id: str) -> None:
+        for job in [j for j in self._prefills if j.plan.request_id == request_id]:
+            self._prefills.remove(job)
+            job.future.cancel()
+        self.engine.release(request_id)
 
     async def release(self, request_id: str) -> bool:
         return await self.call(lambda: self.engine.release(request_id))

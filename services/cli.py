@@ -11,46 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from engine.errors import EngineError
-
-
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument(
-        "--model",
-        default=None,
-        help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)",
-    )
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--kv-cache-mib", type=int, default=1024, help="KV pool size in MiB")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument(
-        "--chunked-prefill",
-        type=int,
-        default=0,
-        metavar="TOKENS",
-        help="split prompts into chunks of this many tokens (0: off)",
-    )
-    g.add_argument("--no-prefix-caching", action="store_true")
-
-
-def _engine_config(args: argparse.Namespace):  # -> EngineConfig (lazy import keeps --help fast)
-    from engine.llm_engine import EngineConfig
-
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        kv_cache_bytes=args.kv_cache_mib << 20,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        chunked_prefill=args.chunked_prefill > 0,
-        max_num_batched_tokens=args.chunked_prefill or None,
-        enable_prefix_caching=not args.no_prefix_caching,
-        num_threads=args.threads,
-    )
+from services.common.engine_args import add_engine_flags, engine_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    _add_engine_flags(gen)
+    add_engine_flags(gen)
     gen.set_defaults(func=_cmd_generate)
     return parser
 
@@ -79,7 +40,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(_engine_config(args))
+    engine = LLMEngine(engine_config(args))
     prompt = args.prompt
     if args.chat:
         messages = []

@@ -1,0 +1,121 @@
+"""protobuf <-> internal dataclasses, at the edge of every service."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.output_processor import RequestOutput
+from engine.sampling_params import SamplingParams
+from pdserve.v1 import common_pb2
+from transfer.handle import KVLayout, MemoryRegionHandle
+
+_FINISH = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+_FINISH_NAMES = {v: k for k, v in _FINISH.items()}
+
+
+def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises InvalidRequestError (from SamplingParams) on out-of-range values."""
+    kwargs: dict[str, object] = {
+        "top_k": p.top_k,
+        "min_p": p.min_p,
+        "stop": tuple(p.stop),
+        "stop_token_ids": tuple(p.stop_token_ids),
+        "ignore_eos": p.ignore_eos,
+        "logprobs": p.logprobs,
+    }
+    if p.HasField("max_tokens"):
+        kwargs["max_tokens"] = p.max_tokens
+    if p.HasField("temperature"):
+        kwargs["temperature"] = p.temperature
+    if p.HasField("top_p"):
+        kwargs["top_p"] = p.top_p
+    if p.HasField("seed"):
+        kwargs["seed"] = p.seed
+    return SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
+    p = common_pb2.SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=max(s.top_k, 0),
+        min_p=s.min_p,
+        stop=list(s.stop),
+        stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs,
+    )
+    if s.seed is not None:
+        p.seed = s.seed
+    return p
+
+
+def layout_to_proto(lay: KVLayout) -> common_pb2.KVLayout:
+    return common_pb2.KVLayout(
+        num_layers=lay.num_layers,
+        num_blocks=lay.num_blocks,
+        block_size=lay.block_size,
+        num_kv_heads=lay.num_kv_heads,
+        head_dim=lay.head_dim,
+        dtype=lay.dtype,
+        order=common_pb2.KV_ORDER_LAYER_KV_BLOCK,
+    )
+
+
+def handle_to_proto(h: MemoryRegionHandle) -> common_pb2.MemoryRegionHandle:
+    return common_pb2.MemoryRegionHandle(
+        region_id=h.region_id,
+        transport=h.transport,
+        address=h.address,
+        length=h.length,
+        key=h.key,
+        layout=layout_to_proto(h.layout),
+    )
+
+
+def handle_from_proto(p: common_pb2.MemoryRegionHandle) -> MemoryRegionHandle:
+    """Raises TransferError with a clear message on a malformed handle."""
+    lay = p.layout
+    return MemoryRegionHandle.from_dict(
+        {
+            "region_id": p.region_id,
+            "transport": p.transport,
+            "address": p.address,
+            "length": p.length,
+            "key": p.key,
+            "layout": {
+                "num_layers": lay.num_layers,
+                "num_blocks": lay.num_blocks,
+                "block_size": lay.block_size,
+                "num_kv_heads": lay.num_kv_heads,
+                "head_dim": lay.head_dim,
+                "dtype": lay.dtype,
+            },
+        }
+    )
+
+
+def finish_to_proto(reason: str | None) -> int:
+    return _FINISH.get(reason or "", common_pb2.FINISH_REASON_UNSPECIFIED)
+
+
+def finish_from_proto(value: int) -> str | None:
+    return _FINISH_NAMES.get(value)
+
+
+def usage(out: RequestOutput) -> common_pb2.Usage:
+    return common_pb2.Usage(
+        prompt_tokens=out.num_prompt_tokens,
+        completion_tokens=out.num_output_tokens,
+        cached_tokens=out.num_cached_tokens,
+    )
+
+
+def token_list(ids: Sequence[int]) -> list[int]:
+    return [int(t) for t in ids]

@@ -1,0 +1,49 @@
+"""Engine flags shared by every command and service that runs an engine."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.llm_engine import EngineConfig
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--kv-cache-mib", type=int, default=1024, help="KV pool size in MiB")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument(
+        "--chunked-prefill",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="split prompts into chunks of this many tokens (0: off)",
+    )
+    g.add_argument("--no-prefix-caching", action="store_true")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    from engine.llm_engine import EngineConfig  # lazy: keeps --help fast
+
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_mib << 20,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        chunked_prefill=args.chunked_prefill > 0,
+        max_num_batched_tokens=args.chunked_prefill or None,
+        enable_prefix_caching=not args.no_prefix_caching,
+        num_threads=args.threads,
+    )

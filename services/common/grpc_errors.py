@@ -1,0 +1,25 @@
+"""One mapping from internal errors to gRPC status codes, used by every servicer."""
+
+from __future__ import annotations
+
+import grpc
+
+from engine.errors import CapacityError, InvalidRequestError, ResourceExhaustedError
+from transfer.errors import TransferError, TransferTimeout
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, InvalidRequestError | CapacityError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, ResourceExhaustedError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, TransferTimeout | TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    if isinstance(exc, TransferError):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """Abort the RPC with the status for ``exc`` and its message (never returns)."""
+    await context.abort(status_for(exc), f"{type(exc).__name__}: {exc}")

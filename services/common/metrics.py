@@ -1,0 +1,43 @@
+"""Prometheus metrics of the worker services (vLLM-style names, ``pdserve:`` prefix)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+
+TTFT = Histogram(
+    "pdserve:time_to_first_token_seconds", "Time from arrival to the first token.",
+    ["role"], buckets=_LATENCY_BUCKETS,
+)  # fmt: skip
+ITL = Histogram(
+    "pdserve:inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+    ["role"], buckets=_LATENCY_BUCKETS,
+)  # fmt: skip
+E2E = Histogram(
+    "pdserve:e2e_request_latency_seconds", "Time from arrival to the last token.",
+    ["role"], buckets=_LATENCY_BUCKETS,
+)  # fmt: skip
+QUEUE_TIME = Histogram(
+    "pdserve:request_queue_time_seconds", "Time a request waited before its prefill ran.",
+    ["role"], buckets=_LATENCY_BUCKETS,
+)  # fmt: skip
+RUNNING = Gauge("pdserve:num_requests_running", "Requests in the running batch.", ["role"])
+WAITING = Gauge("pdserve:num_requests_waiting", "Requests queued for admission.", ["role"])
+KV_USAGE = Gauge("pdserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", ["role"])
+REQUESTS = Counter(
+    "pdserve:request_success_total", "Finished requests by finish reason.", ["role", "reason"]
+)
+ERRORS = Counter(
+    "pdserve:request_errors_total", "Requests that ended with an error.", ["role", "code"]
+)
+TRANSFER_BYTES = Counter(
+    "pdserve:kv_transfer_bytes_total", "KV bytes moved between workers.", ["role", "transport"]
+)
+TRANSFER_SECONDS = Histogram(
+    "pdserve:kv_transfer_seconds", "Per-request KV transfer time (first write to confirmed).",
+    ["role", "transport"], buckets=_LATENCY_BUCKETS,
+)  # fmt: skip

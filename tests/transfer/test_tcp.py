@@ -1,0 +1,200 @@
+"""The tcp transport: a receiver thread in a target process writes frames into its pool."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import time
+
+import pytest
+import torch
+
+from tests.transfer.target import (
+    DST_LAYOUT,
+    DST_SEED,
+    LAYERS,
+    MOVE_BYTES,
+    MOVES,
+    SRC_LAYOUT,
+    SRC_SEED,
+    Target,
+    blocks_view,
+    expected_pool,
+    pattern,
+    push_requests,
+    wait_until,
+)
+from transfer import KVLayout, MemoryRegionHandle, TransferError, TransferTimeout
+from transfer.tcp import TcpTransport
+from transfer.tcp_frames import Frame, FrameKind, parse_address
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _closed_by_peer(sock: socket.socket, within: float = 5.0) -> bool:
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_writes_land_exactly_in_a_target_process() -> None:
+    with TcpTransport() as transport, Target("tcp", DST_LAYOUT) as target:
+        writer = transport.connect(target.handle)
+        assert transport.connect(target.handle) is writer  # cached per region
+        results = push_requests(writer)
+        assert [r.bytes for r in results] == MOVE_BYTES
+        assert [r.layers for r in results] == [3, 3]
+        assert target.verify(SRC_LAYOUT, MOVES, LAYERS) == 0
+        assert target.verify(SRC_LAYOUT, MOVES[:1], LAYERS) > 0  # the check can fail
+        seen = target.stats()
+        assert (seen.bytes, seen.jobs, seen.failures) == (sum(MOVE_BYTES), 2, 0)
+        sent = writer.stats()
+        assert (sent.bytes, sent.jobs, sent.failures) == (sum(MOVE_BYTES), 2, 0)
+
+        target.close()  # the process exits: nobody listens any more
+        started = time.monotonic()
+        with pytest.raises(TransferError, match=r"lost|cannot connect"):
+            push_requests(writer)
+        assert time.monotonic() - started < 2.0
+
+
+def test_target_that_stops_reading_times_out_then_the_writer_recovers() -> None:
+    with TcpTransport() as transport, Target("tcp", DST_LAYOUT) as target:
+        writer = transport.connect(target.handle)
+        target.pause()  # SIGSTOP: frames sit in socket buffers, no ack ever comes
+        started = time.monotonic()
+        try:
+            with pytest.raises(TransferTimeout, match="awaiting confirmation"):
+                push_requests(writer, timeout=1.0, moves=MOVES[:1])
+            elapsed = time.monotonic() - started
+        finally:
+            target.resume()
+        assert 0.95 <= elapsed < 1.5
+        assert writer.stats().failures == 1
+        # Same request id again, same connection: the late ack of the failed job must not
+        # be taken for this one's.
+        results = push_requests(writer, moves=MOVES[1:])
+        assert [r.bytes for r in results] == MOVE_BYTES[1:]
+        # The timed-out job's bytes were already buffered and still landed: the contract
+        # says a failed job's blocks stay leased until its deadline plus grace.
+        assert target.verify(SRC_LAYOUT, MOVES, LAYERS) == 0
+
+
+def test_target_killed_mid_transfer_fails_fast_not_by_timeout() -> None:
+    with TcpTransport() as transport, Target("tcp", DST_LAYOUT) as target:
+        writer = transport.connect(target.handle)
+        src = pattern(SRC_LAYOUT.total_bytes, SRC_SEED)
+        job = writer.begin("req", deadline=time.monotonic() + 10)
+        job.write_blocks(0, src, SRC_LAYOUT, [0, 1], [2, 3])
+        assert wait_until(lambda: writer.stats().bytes > 0, 5)
+        target.kill()
+        started = time.monotonic()
+        with pytest.raises(TransferError, match=r"lost|failed") as failure:
+            job.write_blocks(1, src, SRC_LAYOUT, [0, 1], [2, 3])
+            job.finish()
+        assert not isinstance(failure.value, TransferTimeout)
+        assert time.monotonic() - started < 2.0
+        assert writer.stats().failures == 1
+
+
+def test_bad_frames_close_only_their_connection() -> None:
+    with TcpTransport() as transport:
+        region = transport.register(DST_LAYOUT)
+        region.tensor.copy_(pattern(DST_LAYOUT.total_bytes, DST_SEED))
+        before = region.tensor.clone()
+        host, port = parse_address(region.handle.address)
+        key = bytes.fromhex(region.handle.key)
+        length = region.handle.length
+        silent = socket.create_connection((host, port))  # holds a connection open meanwhile
+        garbage = [
+            Frame(FrameKind.DATA, b"\x01" * 16, 1, 0, 64).encode() + b"\xff" * 64,
+            Frame(FrameKind.DATA, key, 1, length - 8, 64).encode() + b"\xff" * 64,
+            b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".ljust(48, b"x"),
+            Frame(FrameKind.ACK, key, 1).encode(),
+        ]
+        for count, data in enumerate(garbage, start=1):
+            with socket.create_connection((host, port), timeout=5) as sock:
+                sock.sendall(data)
+                assert _closed_by_peer(sock)
+            assert wait_until(lambda n=count: transport.rejected_connections == n, 2)
+        # A writer holding a handle with the wrong key cannot write either.
+        forged = dataclasses.replace(region.handle, key="00" * 16, region_id="forged")
+        with pytest.raises(TransferError, match="lost"):
+            push_requests(transport.connect(forged))
+        assert torch.equal(region.tensor, before)
+        assert transport.rejected_connections == len(garbage) + 1
+
+        results = push_requests(transport.connect(region.handle))
+        assert [r.bytes for r in results] == MOVE_BYTES
+        assert torch.equal(region.tensor, expected_pool(DST_LAYOUT, SRC_LAYOUT, MOVES, LAYERS))
+        silent.close()
+
+
+def test_receiver_drops_clients_that_go_silent() -> None:
+    with TcpTransport(io_timeout=0.3, idle_timeout=0.5) as transport:
+        region = transport.register(DST_LAYOUT)
+        host, port = parse_address(region.handle.address)
+        key = bytes.fromhex(region.handle.key)
+        with socket.create_connection((host, port)) as stalled:
+            stalled.sendall(Frame(FrameKind.DATA, key, 1, 0, 1000).encode() + b"x" * 10)
+            started = time.monotonic()
+            assert _closed_by_peer(stalled)  # mid-frame silence: io_timeout
+            assert 0.25 <= time.monotonic() - started < 2.0
+        with socket.create_connection((host, port)) as idle:
+            started = time.monotonic()
+            assert _closed_by_peer(idle)  # between frames: idle_timeout
+            assert 0.45 <= time.monotonic() - started < 2.0
+        # A writer whose idle connection was closed reconnects on its next job.
+        writer = transport.connect(region.handle)
+        time.sleep(0.8)
+        results = push_requests(writer)
+        assert [r.bytes for r in results] == MOVE_BYTES
+
+
+def test_large_ranges_arrive_intact() -> None:
+    layout = KVLayout(
+        num_layers=2, num_blocks=4, block_size=64, num_kv_heads=8, head_dim=128, dtype="float32"
+    )  # 256 KiB blocks: a 3-block run is a 768 KiB frame, larger than one recv
+    src = pattern(layout.total_bytes, SRC_SEED)
+    with TcpTransport() as target_side, TcpTransport() as initiator:
+        region = target_side.register(layout)
+        job = initiator.connect(region.handle).begin("big", deadline=time.monotonic() + 10)
+        for layer in range(layout.num_layers):
+            job.write_blocks(layer, src, layout, [0, 1, 2, 3], [1, 2, 3, 0])
+        assert job.finish().bytes == layout.total_bytes
+        got, want = blocks_view(region.tensor, layout), blocks_view(src, layout)
+        assert torch.equal(got[:, :, [1, 2, 3, 0]], want)
+
+
+def test_writes_outside_the_region_are_refused_before_sending() -> None:
+    with TcpTransport() as transport:
+        region = transport.register(DST_LAYOUT)
+        writer = transport.connect(region.handle)
+        length = region.handle.length
+        src = torch.ones(length, dtype=torch.uint8)
+        job = writer.begin("req", deadline=time.monotonic() + 10)
+        for bad in [(0, length - 10, 11), (0, -1, 4), (length, 0, 1)]:
+            with pytest.raises(TransferError, match=r"outside|negative"):
+                job.write(0, src, [(0, 0, 16), bad])
+        assert job.finish().bytes == 0
+        assert region.stats().bytes == 0 and int(region.tensor.count_nonzero()) == 0
+
+
+def test_unreachable_target_fails_connect_quickly() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again before anyone dials it
+    handle = MemoryRegionHandle(
+        "tcp", f"127.0.0.1:{port}", DST_LAYOUT.total_bytes, "ab" * 16, DST_LAYOUT, "gone"
+    )
+    with TcpTransport() as transport:
+        started = time.monotonic()
+        with pytest.raises(TransferError, match="cannot connect"):
+            transport.connect(handle)
+        assert time.monotonic() - started < 2.0
+        with pytest.raises(TransferError, match="32 hex digits"):
+            transport.connect(dataclasses.replace(handle, key="nothex"))
+        with pytest.raises(TransferError, match="host:port"):
+            transport.connect(dataclasses.replace(handle, address="localhost"))

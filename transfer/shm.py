@@ -1,0 +1,229 @@
+"""Same-host transport: the target's KV pool lives in a POSIX shared-memory segment.
+
+The target creates ``<shm_dir>/pdserve-kv-<random>`` (tmpfs; ``posix_fallocate`` claims the
+pages up front so a full ``/dev/shm`` fails here with a clear error, not with SIGBUS later),
+maps it and builds its pool on the mapping. A writer maps the same segment and copies its
+source ranges straight into it: one ``copy_`` per range, no intermediate buffer, no
+acknowledgement needed (the copy *is* the delivery).
+
+Liveness without a connection: the owner holds an exclusive ``flock`` on the segment for its
+whole life; the kernel drops it when the owner exits, even on SIGKILL. A writer probes with a
+non-blocking shared lock before each write and at the end: if it gets the lock the owner is
+gone, the job fails with ``TransferError``, and the writer unlinks the orphaned segment.
+``sweep_stale_segments`` does the same for a whole directory (call it at worker start).
+``handle.key`` is not checked here: file permissions (0600, same user) guard the segment.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import secrets
+import time
+import uuid
+import weakref
+
+import torch
+
+from transfer.base import KVRegion, Transport
+from transfer.errors import TransferError
+from transfer.handle import KVLayout, MemoryRegionHandle
+from transfer.plan import ByteRange
+from transfer.sender import QueuedJob, QueuedWriter
+
+SEGMENT_PREFIX = "pdserve-kv-"
+# Copies are split so a deadline or an abort is noticed within a few milliseconds.
+_COPY_CHUNK = 8 << 20
+
+
+def _owner_alive(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def _unlink_if_same(path: str, fd: int) -> bool:
+    """Unlink ``path`` only if it is still the file ``fd`` refers to (not a newer one)."""
+    try:
+        here, there = os.fstat(fd), os.stat(path, follow_symlinks=False)
+        if (here.st_dev, here.st_ino) != (there.st_dev, there.st_ino):
+            return False
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _release_segment(path: str, fd: int) -> None:
+    _unlink_if_same(path, fd)
+    os.close(fd)  # releases the flock
+
+
+def sweep_stale_segments(shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink pdserve segments in ``shm_dir`` whose owner died; return their paths."""
+    removed: list[str] = []
+    for name in sorted(os.listdir(shm_dir)):
+        if not name.startswith(SEGMENT_PREFIX):
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if not _owner_alive(fd) and _unlink_if_same(path, fd):
+                removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
+
+
+class ShmRegion(KVRegion):
+    """A KV pool in a shared-memory segment this process created and keeps locked."""
+
+    def __init__(self, layout: KVLayout, shm_dir: str, mode: int) -> None:
+        region_id = uuid.uuid4().hex
+        length = layout.total_bytes
+        path = os.path.join(shm_dir, SEGMENT_PREFIX + region_id)
+        # Created under a name sweepers ignore, locked, then renamed: a segment is never
+        # visible unlocked, so a sweeper cannot mistake a newborn for an orphan.
+        tmp = os.path.join(shm_dir, f".{SEGMENT_PREFIX}tmp-{region_id}")
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+        except OSError as exc:
+            raise TransferError(f"cannot create shared-memory segment in {shm_dir}: {exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:
+                os.posix_fallocate(fd, 0, length)
+            except OSError as exc:
+                raise TransferError(
+                    f"cannot allocate {length} bytes in {shm_dir} ({exc.strerror}); "
+                    "is the shared-memory mount big enough?"
+                ) from exc
+            mapping = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            os.rename(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._path = path
+        # Unlink even if the owner forgets close() (runs at interpreter exit too).
+        self._finalizer = weakref.finalize(self, _release_segment, path, fd)
+        handle = MemoryRegionHandle(
+            transport=ShmTransport.name,
+            address=path,
+            length=length,
+            key=secrets.token_hex(16),
+            layout=layout,
+            region_id=region_id,
+        )
+        # The tensor keeps the mapping alive; the mmap is never closed by hand because
+        # closing it under live tensor views would leave them dangling.
+        super().__init__(handle, torch.frombuffer(mapping, dtype=torch.uint8))
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        """Unlink the segment and drop the lock; writers see the owner gone from now on."""
+        self._finalizer()
+
+
+class ShmWriter(QueuedWriter):
+    """Copies ranges straight into a mapped segment owned by another process on this host."""
+
+    accepts_device_tensors = True  # copy_ reads from any device
+
+    def __init__(self, handle: MemoryRegionHandle, shm_dir: str) -> None:
+        super().__init__(handle)
+        path = handle.address
+        name = os.path.basename(path)
+        in_dir = os.path.normpath(os.path.dirname(path)) == os.path.normpath(shm_dir)
+        if not in_dir or not name.startswith(SEGMENT_PREFIX):
+            # A handle must not make us write into an arbitrary file.
+            raise TransferError(f"shm handle address {path!r} is not a segment in {shm_dir}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise TransferError(f"cannot open shm segment {path}: {exc.strerror}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size != handle.length:
+                raise TransferError(f"shm segment {path} has {size} bytes, handle {handle.length}")
+            if not _owner_alive(fd):
+                _unlink_if_same(path, fd)
+                raise TransferError(f"owner of shm segment {path} is gone")
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._path = path
+        self._dst = torch.frombuffer(mapping, dtype=torch.uint8)
+        self._owner_gone = False
+        self._start()
+
+    def _check_alive(self) -> None:
+        if self._owner_gone or self._fd < 0:
+            raise TransferError(f"owner of shm segment {self._path} is gone")
+        try:
+            alive = _owner_alive(self._fd)
+        except OSError as exc:  # the writer was closed under us
+            raise TransferError(f"writer to shm segment {self._path} is closed") from exc
+        if not alive:
+            self._owner_gone = True
+            _unlink_if_same(self._path, self._fd)
+            raise TransferError(f"owner of shm segment {self._path} is gone")
+
+    def _move(self, job: QueuedJob, src: torch.Tensor, ranges: tuple[ByteRange, ...]) -> None:
+        self._check_alive()
+        for s, d, n in ranges:
+            done = 0
+            while done < n:
+                if job.terminal:
+                    return  # aborted: nothing is half-sent in a one-sided copy
+                if time.monotonic() > job.deadline:
+                    raise self._timeout(job)
+                step = min(_COPY_CHUNK, n - done)
+                self._dst[d + done : d + done + step].copy_(src[s + done : s + done + step])
+                done += step
+                self._moved(job, step)
+
+    def _end(self, job: QueuedJob) -> None:
+        self._check_alive()
+        self._complete(job)
+
+    def _release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class ShmTransport(Transport):
+    """``shm``: regions in ``shm_dir`` (tmpfs, same host); writers copy straight into them."""
+
+    name = "shm"
+
+    def __init__(self, shm_dir: str = "/dev/shm", *, mode: int = 0o600) -> None:
+        super().__init__()
+        if not os.path.isdir(shm_dir):
+            raise TransferError(f"shared-memory directory {shm_dir} does not exist")
+        self.shm_dir = shm_dir
+        self.mode = mode
+
+    def _register(self, layout: KVLayout) -> KVRegion:
+        return ShmRegion(layout, self.shm_dir, self.mode)
+
+    def _open_writer(self, handle: MemoryRegionHandle) -> ShmWriter:
+        return ShmWriter(handle, self.shm_dir)

@@ -1,0 +1,297 @@
+"""Any-host transport: frames over TCP into a region served by a ``TcpReceiver``.
+
+Initiator side: a ``TcpWriter`` holds one persistent connection per region (reconnecting
+after a failure); the sender thread streams DATA frames in order (header, then the payload
+sent straight from the source tensor's memory); ``finish`` sends END and an ack-reader
+thread completes the job when the receiver confirms the byte count. A job whose deadline
+passes in the middle of a frame desynchronizes the stream, so the connection is closed and
+every job with bytes on it fails with ``TransferError``. Target side: see
+``transfer/tcp_receiver.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from transfer.base import KVRegion, Transport
+from transfer.errors import TransferError, TransferTimeout
+from transfer.handle import KVLayout, MemoryRegionHandle
+from transfer.plan import ByteRange
+from transfer.sender import QueuedJob, QueuedWriter
+from transfer.tcp_frames import (
+    HEADER_SIZE,
+    POLL_SECONDS,
+    TRANSPORT_NAME,
+    AckStatus,
+    Frame,
+    FrameKind,
+    key_bytes,
+    parse_address,
+    recv_exactly,
+    send_exactly,
+)
+from transfer.tcp_receiver import TcpReceiver, TcpRegion, past
+
+# Bound on sending a 48-byte ABORT after a job failed: the receiver may be stuck.
+_NOTICE_SECONDS = 1.0
+
+
+class _Connection:
+    """One TCP connection of a writer and the jobs that have bytes on it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.jobs: dict[int, QueuedJob] = {}
+        self.dead = False
+        self.reason = ""
+        self.reader: threading.Thread | None = None
+
+
+@dataclass(frozen=True)
+class _Binding:
+    """A job's place on a connection: the connection and the job's frame tag."""
+
+    conn: _Connection
+    tag: int
+
+
+class TcpWriter(QueuedWriter):
+    """Streams DATA frames into one remote region over a persistent connection."""
+
+    def __init__(self, handle: MemoryRegionHandle, connect_timeout: float) -> None:
+        super().__init__(handle)
+        self._host, self._port = parse_address(handle.address)
+        self._key = key_bytes(handle.key)
+        self._connect_timeout = connect_timeout
+        self._tags = itertools.count(1)
+        # Connect now so an unreachable target fails connect(), not the first job.
+        self._conn: _Connection | None = self._open(time.monotonic() + connect_timeout)
+        self._start()
+
+    def _open(self, deadline: float) -> _Connection:
+        timeout = max(0.001, min(self._connect_timeout, deadline - time.monotonic()))
+        try:
+            sock = socket.create_connection((self._host, self._port), timeout=timeout)
+        except OSError as exc:
+            raise TransferError(f"cannot connect to {self.handle.address}: {exc}") from exc
+        sock.settimeout(POLL_SECONDS)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = _Connection(sock)
+        conn.reader = threading.Thread(
+            target=self._read_acks, args=(conn,), name="kv-acks", daemon=True
+        )
+        conn.reader.start()
+        return conn
+
+    def _drop(self, conn: _Connection) -> None:
+        """Sender thread only: the one place a connection's socket is closed."""
+        self._kill(conn, "writer closed")
+        if conn.reader is not None:
+            conn.reader.join(timeout=2.0)
+        conn.sock.close()
+
+    def _kill(self, conn: _Connection, reason: str) -> None:
+        """Any thread: mark ``conn`` dead, wake its users, fail the jobs with bytes on it."""
+        with self._lock:
+            if conn.dead:
+                return
+            conn.dead = True
+            conn.reason = reason
+            jobs = list(conn.jobs.values())
+            conn.jobs.clear()
+        with contextlib.suppress(OSError):
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        for job in jobs:
+            self._fail(job, TransferError(f"connection to {self.handle.address} lost: {reason}"))
+
+    def _bound(self, job: QueuedJob) -> _Binding:
+        """The connection ``job``'s frames go on; a job never moves to another connection."""
+        binding: _Binding | None = job.transport_state
+        if binding is not None:
+            if binding.conn.dead:
+                raise TransferError(
+                    f"connection to {self.handle.address} lost: {binding.conn.reason}"
+                )
+            return binding
+        if self._conn is None or self._conn.dead:
+            if self._conn is not None:
+                self._drop(self._conn)
+                self._conn = None
+            self._conn = self._open(job.deadline)
+        # A fresh tag per job, not a hash of the request id: a retried request's late ack
+        # must not complete its successor.
+        binding = _Binding(self._conn, next(self._tags))
+        with self._lock:
+            self._conn.jobs[binding.tag] = job
+        job.transport_state = binding
+        return binding
+
+    def _send(self, conn: _Connection, job: QueuedJob, data: memoryview | bytes) -> None:
+        def give_up() -> None:
+            if conn.dead:
+                raise TransferError(f"connection to {self.handle.address} lost: {conn.reason}")
+            if time.monotonic() > job.deadline:
+                raise self._timeout(job)
+
+        try:
+            send_exactly(conn.sock, data, give_up=give_up)
+        except TransferTimeout as exc:
+            # Half a frame is on the wire: the stream is unusable for every job on it.
+            self._fail(job, exc)
+            self._kill(conn, f"{job.request_id!r} timed out mid-frame")
+            raise
+        except OSError as exc:
+            self._kill(conn, f"send failed: {exc}")
+            raise TransferError(f"send to {self.handle.address} failed: {exc}") from exc
+
+    def _move(self, job: QueuedJob, src: torch.Tensor, ranges: tuple[ByteRange, ...]) -> None:
+        binding = self._bound(job)
+        payload = memoryview(src.detach().numpy())
+        for s, d, n in ranges:
+            # An aborted job still completes the frame in flight (the stream stays usable),
+            # then stops; a deadline stops it mid-frame (see _send).
+            if job.terminal:
+                return
+            header = Frame(FrameKind.DATA, self._key, binding.tag, d, n).encode()
+            self._send(binding.conn, job, header)
+            self._send(binding.conn, job, payload[s : s + n])
+            self._moved(job, n)
+
+    def _end(self, job: QueuedJob) -> None:
+        if job.transport_state is None:
+            self._complete(job)  # nothing was written: nothing to confirm
+            return
+        binding = self._bound(job)
+        end = Frame(FrameKind.END, self._key, binding.tag, length=job.bytes_moved).encode()
+        self._send(binding.conn, job, end)
+        # The ack reader completes the job.
+
+    def _on_failed(self, job: QueuedJob) -> None:
+        binding: _Binding | None = job.transport_state
+        if binding is None or binding.conn.dead:
+            return
+        conn = binding.conn
+        with self._lock:
+            if conn.jobs.get(binding.tag) is job:
+                del conn.jobs[binding.tag]
+        deadline = time.monotonic() + _NOTICE_SECONDS
+
+        def give_up() -> None:
+            if conn.dead:
+                raise TransferError("connection lost")
+            past(deadline)
+
+        notice = Frame(FrameKind.ABORT, self._key, binding.tag).encode()
+        try:
+            send_exactly(conn.sock, notice, give_up=give_up)
+        except (OSError, TransferError) as exc:
+            self._kill(conn, f"sending ABORT failed: {exc}")
+
+    def _read_acks(self, conn: _Connection) -> None:
+        header = bytearray(HEADER_SIZE)
+        view = memoryview(header)
+        reason = "receiver closed the connection"
+        try:
+            while recv_exactly(
+                conn.sock,
+                view,
+                inactivity=float("inf"),
+                stop=lambda: conn.dead or self._closed,
+                eof_ok=True,
+            ):
+                frame = Frame.decode(header)
+                if frame.kind is not FrameKind.ACK:
+                    reason = f"unexpected {frame.kind.name} frame from the receiver"
+                    break
+                with self._lock:
+                    job = conn.jobs.pop(frame.tag, None)
+                if job is None:
+                    continue  # the job already failed or was aborted
+                if frame.status == AckStatus.OK and frame.length == job.bytes_moved:
+                    self._complete(job)
+                else:
+                    self._fail(
+                        job,
+                        TransferError(
+                            f"receiver got {frame.length} bytes of {job.request_id!r}, "
+                            f"{job.bytes_moved} were sent"
+                        ),
+                    )
+        except (OSError, TransferError) as exc:
+            reason = f"receiving acks failed: {exc}"
+        self._kill(conn, reason)
+
+    def _interrupt(self) -> None:
+        conn = self._conn
+        if conn is not None:
+            self._kill(conn, "writer closed")
+
+    def _release(self) -> None:
+        if self._conn is not None:
+            self._drop(self._conn)
+            self._conn = None
+
+
+class TcpTransport(Transport):
+    """``tcp``: regions served by a listener on ``host:port`` (0 = ephemeral port).
+
+    ``advertise_host`` is the host peers dial (default: ``host``, or this machine's name when
+    ``host`` is a wildcard). ``idle_timeout`` closes connections silent between frames;
+    ``io_timeout`` bounds silence inside a frame; ``connect_timeout`` bounds a writer's dial.
+    """
+
+    name = TRANSPORT_NAME
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        advertise_host: str | None = None,
+        idle_timeout: float = 300.0,
+        io_timeout: float = 10.0,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        super().__init__()
+        if advertise_host is None:
+            advertise_host = socket.getfqdn() if host in ("", "0.0.0.0", "::") else host
+        self.host = host
+        self.port = port
+        self.advertise_host = advertise_host
+        self.idle_timeout = idle_timeout
+        self.io_timeout = io_timeout
+        self.connect_timeout = connect_timeout
+        self._receiver: TcpReceiver | None = None
+
+    @property
+    def rejected_connections(self) -> int:
+        """Connections the receiver closed for a bad frame (wrong key, bounds, garbage)."""
+        return 0 if self._receiver is None else self._receiver.rejected
+
+    def _register(self, layout: KVLayout) -> KVRegion:
+        with self._lock:
+            if self._receiver is None:
+                self._receiver = TcpReceiver(
+                    self.host, self.port, self.advertise_host, self.idle_timeout, self.io_timeout
+                )
+            receiver = self._receiver
+        region = TcpRegion(layout, receiver)
+        receiver.add(region)
+        return region
+
+    def _open_writer(self, handle: MemoryRegionHandle) -> TcpWriter:
+        return TcpWriter(handle, self.connect_timeout)
+
+    def close(self) -> None:
+        super().close()
+        with self._lock:
+            receiver, self._receiver = self._receiver, None
+        if receiver is not None:
+            receiver.close()

@@ -1,0 +1,225 @@
+"""Target side of the ``tcp`` transport: a listener whose threads write frames into regions.
+
+``TcpReceiver`` owns one listening socket; each accepted connection gets a handler thread
+that reads a frame header, checks the region key and the bounds, then ``recv_into``s the
+payload directly into a memoryview slice of the region's tensor (no intermediate copy). A
+bad frame (unknown key, garbage, out-of-bounds range, wrong direction) closes that
+connection only and counts in ``rejected``; every read has an inactivity timeout
+(``idle_timeout`` between frames, ``io_timeout`` inside one), so no thread waits forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import socket
+import threading
+import time
+import uuid
+
+import torch
+
+from transfer.base import KVRegion
+from transfer.errors import TransferError, TransferTimeout
+from transfer.handle import KVLayout, MemoryRegionHandle
+from transfer.tcp_frames import (
+    HEADER_SIZE,
+    POLL_SECONDS,
+    TRANSPORT_NAME,
+    AckStatus,
+    Frame,
+    FrameError,
+    FrameKind,
+    format_address,
+    key_bytes,
+    recv_exactly,
+    send_exactly,
+)
+
+log = logging.getLogger(__name__)
+
+
+class _Rejected(Exception):
+    """A frame this receiver refuses; the connection that sent it is closed."""
+
+
+class TcpRegion(KVRegion):
+    """A KV pool in this process's memory, filled by the transport's receiver."""
+
+    def __init__(self, layout: KVLayout, receiver: TcpReceiver) -> None:
+        length = layout.total_bytes
+        handle = MemoryRegionHandle(
+            transport=TRANSPORT_NAME,
+            address=receiver.address,
+            length=length,
+            key=secrets.token_hex(16),
+            layout=layout,
+            region_id=uuid.uuid4().hex,
+        )
+        super().__init__(handle, torch.zeros(length, dtype=torch.uint8))
+        self.raw_key = key_bytes(handle.key)
+        self.view = memoryview(self.tensor.numpy())
+        self._receiver = receiver
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Stop accepting frames for this region and close connections writing into it."""
+        if self._closed:
+            return
+        self._closed = True
+        self._receiver.remove(self)
+
+
+class TcpReceiver:
+    """One listening socket; a handler thread per connection writes frames into regions."""
+
+    def __init__(
+        self, host: str, port: int, advertise_host: str, idle_timeout: float, io_timeout: float
+    ) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self._listener = socket.create_server((host, port), family=family, backlog=64)
+        except OSError as exc:
+            raise TransferError(f"cannot listen on {format_address(host, port)}: {exc}") from exc
+        self._listener.settimeout(POLL_SECONDS * 4)
+        self.address = format_address(advertise_host, self._listener.getsockname()[1])
+        self._idle_timeout = idle_timeout
+        self._io_timeout = io_timeout
+        self._lock = threading.Lock()
+        self._regions: dict[bytes, TcpRegion] = {}
+        self._conns: dict[socket.socket, TcpRegion | None] = {}
+        self._threads: set[threading.Thread] = set()
+        self._stop = threading.Event()
+        self.rejected = 0
+        self._acceptor = threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)
+        self._acceptor.start()
+
+    def add(self, region: TcpRegion) -> None:
+        with self._lock:
+            self._regions[region.raw_key] = region
+
+    def remove(self, region: TcpRegion) -> None:
+        with self._lock:
+            self._regions.pop(region.raw_key, None)
+            doomed = [conn for conn, bound in self._conns.items() if bound is region]
+        for conn in doomed:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._acceptor.join(timeout=2.0)
+        self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+            threads = list(self._threads)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        for thread in threads:
+            thread.join(timeout=2.0)
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, peer = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                time.sleep(POLL_SECONDS)  # e.g. EMFILE: back off, keep serving
+                continue
+            conn.settimeout(POLL_SECONDS)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            thread = threading.Thread(
+                target=self._serve, args=(conn, peer), name="kv-recv", daemon=True
+            )
+            with self._lock:
+                self._conns[conn] = None
+                self._threads.add(thread)
+            thread.start()
+
+    def _serve(self, conn: socket.socket, peer: object) -> None:
+        region: TcpRegion | None = None
+        pending: dict[int, tuple[int, float]] = {}  # job tag -> (bytes, first frame time)
+        header = bytearray(HEADER_SIZE)
+        header_view = memoryview(header)
+        stop = self._stop.is_set
+        try:
+            while recv_exactly(
+                conn, header_view, inactivity=self._idle_timeout, stop=stop, eof_ok=True
+            ):
+                try:
+                    frame = Frame.decode(header)
+                except FrameError as exc:
+                    raise _Rejected(str(exc)) from None
+                with self._lock:
+                    found = self._regions.get(frame.key)
+                if found is None:
+                    raise _Rejected("frame for an unknown region key")
+                if region is None:
+                    region = found
+                    with self._lock:
+                        self._conns[conn] = region
+                elif found is not region:
+                    raise _Rejected("frame for a second region on one connection")
+                if frame.kind is FrameKind.DATA:
+                    end = frame.offset + frame.length
+                    if frame.length == 0 or end > region.handle.length:
+                        raise _Rejected(
+                            f"DATA [{frame.offset}, {end}) outside the "
+                            f"{region.handle.length}-byte region"
+                        )
+                    recv_exactly(
+                        conn,
+                        region.view[frame.offset : end],
+                        inactivity=self._io_timeout,
+                        stop=stop,
+                    )
+                    seen, first = pending.get(frame.tag, (0, time.monotonic()))
+                    pending[frame.tag] = (seen + frame.length, first)
+                    region._stats.add_bytes(frame.length)
+                elif frame.kind is FrameKind.END:
+                    seen, first = pending.pop(frame.tag, (0, time.monotonic()))
+                    ok = seen == frame.length
+                    if ok:
+                        region._stats.add_job(time.monotonic() - first)
+                    else:
+                        region._stats.add_failure()
+                    ack = Frame(
+                        FrameKind.ACK,
+                        frame.key,
+                        frame.tag,
+                        length=seen,
+                        status=AckStatus.OK if ok else AckStatus.MISMATCH,
+                    )
+                    send_deadline = time.monotonic() + self._io_timeout
+                    send_exactly(conn, ack.encode(), give_up=lambda d=send_deadline: past(d))
+                elif frame.kind is FrameKind.ABORT:
+                    pending.pop(frame.tag, None)
+                else:
+                    raise _Rejected(f"unexpected {frame.kind.name} frame")
+        except _Rejected as exc:
+            with self._lock:
+                self.rejected += 1
+            if region is not None:
+                region._stats.add_failure()
+            log.warning("kv receiver: closing connection from %s: %s", peer, exc)
+        except (OSError, TransferError) as exc:
+            log.info("kv receiver: connection from %s ended: %s", peer, exc)
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+                self._threads.discard(threading.current_thread())
+            conn.close()
+
+
+def past(deadline: float) -> None:
+    if time.monotonic() > deadline:
+        raise TransferTimeout("peer stopped reading")
