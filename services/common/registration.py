@@ -55,8 +55,8 @@ class Registrar:
                 if reply.heartbeat_interval_ms:
                     self.interval_s = reply.heartbeat_interval_ms / 1000
                 self._registered = True
+                self._seq = 0  # a new registration starts a new heartbeat sequence
                 log.info("registered", worker_id=self.info.worker_id)
-            self._seq += 1
             await self._stub.Heartbeat(
                 scheduler_pb2.HeartbeatRequest(
                     worker_id=self.info.worker_id,
@@ -68,6 +68,7 @@ class Registrar:
                 ),
                 timeout=_RPC_TIMEOUT_S,
             )
+            self._seq += 1
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 self._registered = False  # the scheduler forgot us (restart, lease lapsed)

@@ -60,6 +60,7 @@ def worker_info(
             block_size=engine.kv_spec.block_size,
             max_num_seqs=engine.config.max_num_seqs,
             max_model_len=engine.max_model_len,
+            max_num_batched_tokens=engine.scheduler.config.max_num_batched_tokens,
         ),
         host_id=host_id(),
         started_unix_ns=time.time_ns(),

@@ -1,0 +1,371 @@
+"""Placement policy: pure function tests (no loop, no Redis, no gRPC)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.scheduler.model import (
+    Placement,
+    PlaceRequest,
+    PrefillMode,
+    Rejection,
+    RejectReason,
+    Role,
+    WorkerState,
+    WorkerView,
+    blocks_for,
+)
+from services.scheduler.policy import (
+    AdmissionLimits,
+    has_decode_room,
+    has_prefill_room,
+    is_live,
+    place,
+    prefix_overlaps,
+)
+from tests.services.scheduler.builders import (
+    BLOCK,
+    NOW,
+    TTL,
+    capacity,
+    request,
+    snapshot,
+    view,
+)
+
+H = (11, 22, 33, 44)  # a prompt's chained block hashes, first block first
+
+
+def _placed(result: Placement | Rejection) -> Placement:
+    assert isinstance(result, Placement), result
+    return result
+
+
+def _rejected(result: Placement | Rejection) -> Rejection:
+    assert isinstance(result, Rejection), result
+    return result
+
+
+# ---- prefill choice ----
+
+
+def test_longest_prefix_overlap_wins_over_lower_load() -> None:
+    p1 = view("p1", Role.PREFILL, queued_tokens=0)
+    p2 = view("p2", Role.PREFILL, queued_tokens=5000)  # busier, but caches 3 blocks
+    index = {11: {"p1", "p2"}, 22: {"p2"}, 33: {"p2"}}
+    result = _placed(place(snapshot(view("d1"), p1, p2, index=index), request(prompt=80, hashes=H)))
+    assert result.prefill is not None and result.prefill.worker_id == "p2"
+    assert result.mode is PrefillMode.DISAGGREGATED
+    assert result.expected_cached_tokens == 3 * BLOCK
+
+
+def test_only_leading_blocks_count_as_overlap() -> None:
+    p1 = view("p1", Role.PREFILL)
+    p2 = view("p2", Role.PREFILL)
+    # p2 holds blocks 2..4 but not block 1: chained hashes make that useless.
+    index = {11: {"p1"}, 22: {"p2"}, 33: {"p2"}, 44: {"p2"}}
+    overlaps = prefix_overlaps([p1, p2], request(hashes=H), index)
+    assert overlaps == {"p1": 1, "p2": 0}
+
+
+def test_overlap_ignored_when_block_size_differs() -> None:
+    p1 = view("p1", Role.PREFILL, cap=capacity(block_size=32))
+    p2 = view("p2", Role.PREFILL, queued_tokens=10)
+    index = {11: {"p1", "p2"}, 22: {"p1"}}
+    overlaps = prefix_overlaps([p1, p2], request(hashes=H, hash_block_size=BLOCK), index)
+    assert overlaps == {"p1": 0, "p2": 1}
+    result = _placed(place(snapshot(view("d1"), p1, p2, index=index), request(hashes=H)))
+    assert result.prefill is not None and result.prefill.worker_id == "p2"
+
+
+def test_equal_overlap_ties_break_on_queued_prompt_tokens() -> None:
+    p1 = view("p1", Role.PREFILL, queued_tokens=900)
+    p2 = view("p2", Role.PREFILL, queued_tokens=100)
+    p3 = view("p3", Role.PREFILL, queued_tokens=500)
+    result = _placed(place(snapshot(view("d1"), p1, p2, p3), request()))
+    assert result.prefill is not None and result.prefill.worker_id == "p2"
+    assert result.expected_cached_tokens == 0
+
+
+def test_full_prefill_backlog_is_skipped_then_rejected() -> None:
+    limits = AdmissionLimits(max_queued_prompt_tokens=1000)
+    full = view("p1", Role.PREFILL, queued_tokens=950)
+    ok = view("p2", Role.PREFILL, queued_tokens=800)
+    result = _placed(place(snapshot(view("d1"), full, ok, limits=limits), request(prompt=100)))
+    assert result.prefill is not None and result.prefill.worker_id == "p2"
+    both_full = snapshot(
+        view("d1"), full, view("p2", Role.PREFILL, queued_tokens=990), limits=limits
+    )
+    rejection = _rejected(place(both_full, request(prompt=100)))
+    assert rejection.reason is RejectReason.CAPACITY
+    assert rejection.retry_after_ms == limits.retry_after_ms > 0
+
+
+def test_idle_prefill_worker_takes_a_prompt_longer_than_the_backlog_cap() -> None:
+    limits = AdmissionLimits(max_queued_prompt_tokens=64)
+    result = _placed(
+        place(snapshot(view("d1"), view("p1", Role.PREFILL), limits=limits), request(prompt=500))
+    )
+    assert result.prefill is not None
+
+
+def test_prefill_needs_a_shared_transport_and_shm_needs_one_host() -> None:
+    d = view("d1", transports=("shm",), host_id="hostA")
+    p_other_host = view("p1", Role.PREFILL, transports=("shm",), host_id="hostB")
+    p_same_host = view(
+        "p2", Role.PREFILL, transports=("shm", "tcp"), host_id="hostA", queued_tokens=99
+    )
+    result = _placed(place(snapshot(d, p_other_host, p_same_host), request()))
+    assert result.prefill is not None and result.prefill.worker_id == "p2"
+    # Only the cross-host shm worker left: the decode worker prefills itself.
+    result = _placed(place(snapshot(d, p_other_host), request()))
+    assert result.prefill is None and result.mode is PrefillMode.LOCAL_FALLBACK
+
+
+# ---- decode choice ----
+
+
+def test_decode_prefers_fewer_running_sequences_then_more_free_blocks() -> None:
+    busy = view("d1", running=5, free=900)
+    idle_small = view("d2", running=1, free=100)
+    idle_big = view("d3", running=1, free=800)
+    result = _placed(place(snapshot(busy, idle_small, idle_big), request()))
+    assert result.decode.worker_id == "d3"
+    assert result.decode_kv_blocks == blocks_for(128, BLOCK) == 8
+
+
+def test_pending_reservations_count_against_a_worker() -> None:
+    a = view("d1", pending_seqs=2, pending_blocks=10)
+    b = view("d2", running=1)
+    assert _placed(place(snapshot(a, b), request())).decode.worker_id == "d2"
+    # Reserved blocks are not free: d1 reports 10 free but 8 of them are reserved.
+    tight = view("d1", free=10, pending_blocks=8)
+    assert _rejected(place(snapshot(tight), request())).reason is RejectReason.CAPACITY
+
+
+# ---- admission ----
+
+
+def test_capacity_rejection_when_no_decode_worker_has_room() -> None:
+    needs = blocks_for(128, BLOCK)
+    d1 = view("d1", free=needs - 1)
+    d2 = view("d2", running=8, waiting=64)  # every slot and queue place taken
+    rejection = _rejected(place(snapshot(d1, d2, view("p1", Role.PREFILL)), request()))
+    assert rejection.reason is RejectReason.CAPACITY
+    assert rejection.retry_after_ms > 0
+    d1_fits = view("d1", free=needs)
+    assert _placed(place(snapshot(d1_fits, d2), request())).decode.worker_id == "d1"
+
+
+def test_request_larger_than_any_worker_never_fits() -> None:
+    d1 = view("d1", cap=capacity(blocks=1000, model_len=2048))
+    rejection = _rejected(place(snapshot(d1), request(prompt=2000, max_tokens=49)))
+    assert rejection.reason is RejectReason.NEVER_FITS
+    assert rejection.retry_after_ms == 0
+    small_pool = view("d1", cap=capacity(blocks=4, model_len=4096))
+    assert _rejected(place(snapshot(small_pool), request())).reason is RejectReason.NEVER_FITS
+
+
+def test_global_inflight_cap() -> None:
+    limits = AdmissionLimits(max_inflight=10)
+    d1 = view("d1", running=4, waiting=2)
+    d2 = view("d2", running=3, pending_seqs=1)
+    rejection = _rejected(place(snapshot(d1, d2, limits=limits), request()))
+    assert rejection.reason is RejectReason.INFLIGHT_CAP
+    d2_less = view("d2", running=3)
+    assert isinstance(place(snapshot(d1, d2_less, limits=limits), request()), Placement)
+
+
+def test_unknown_model_and_model_matching() -> None:
+    d1 = view("d1", model="llama")
+    d2 = view("d2", model="smol", running=3)
+    assert _rejected(place(snapshot(d1), request(model="gpt"))).reason is RejectReason.UNKNOWN_MODEL
+    assert _placed(place(snapshot(d1, d2), request(model="smol"))).decode.worker_id == "d2"
+    assert _placed(place(snapshot(d1, d2), request(model=""))).decode.worker_id == "d1"
+
+
+# ---- local prefill ----
+
+
+def test_no_prefill_worker_falls_back_to_local_prefill_on_decode() -> None:
+    index = {11: {"d1"}, 22: {"d1"}}
+    result = _placed(place(snapshot(view("d1"), index=index), request(hashes=H)))
+    assert result.prefill is None
+    assert result.mode is PrefillMode.LOCAL_FALLBACK
+    assert result.expected_cached_tokens == 2 * BLOCK
+
+
+def test_colocated_worker_prefills_its_own_prompts() -> None:
+    result = _placed(
+        place(snapshot(view("c1", Role.COLOCATED), view("p1", Role.PREFILL)), request())
+    )
+    assert result.prefill is None and result.mode is PrefillMode.LOCAL_COLOCATED
+
+
+def test_short_prompts_prefill_locally_when_configured() -> None:
+    limits = AdmissionLimits(local_prefill_max_tokens=64)
+    cluster = snapshot(view("d1"), view("p1", Role.PREFILL), limits=limits)
+    assert _placed(place(cluster, request(prompt=64))).mode is PrefillMode.LOCAL_SHORT_PROMPT
+    assert _placed(place(cluster, request(prompt=65))).mode is PrefillMode.DISAGGREGATED
+
+
+# ---- liveness ----
+
+
+def test_dead_workers_are_excluded() -> None:
+    dead_decode = view("d1", age=TTL + 0.01)
+    live_decode = view("d2", running=7, age=TTL)  # exactly at the lease edge: still live
+    dead_prefill = view("p1", Role.PREFILL, age=5.0)
+    index = {11: {"p1"}, 22: {"p1"}}
+    result = _placed(
+        place(snapshot(dead_decode, live_decode, dead_prefill, index=index), request(hashes=H))
+    )
+    assert result.decode.worker_id == "d2"
+    assert result.prefill is None and result.mode is PrefillMode.LOCAL_FALLBACK
+    only_dead = snapshot(dead_decode, dead_prefill)
+    assert _rejected(place(only_dead, request())).reason is RejectReason.NO_LIVE_WORKER
+
+
+def test_draining_registered_and_excluded_workers_get_nothing() -> None:
+    draining = view("d1", state=WorkerState.DRAINING)
+    fresh = view("d2", state=WorkerState.REGISTERED)  # no heartbeat yet
+    ok = view("d3", running=7)
+    assert _placed(place(snapshot(draining, fresh, ok), request())).decode.worker_id == "d3"
+    rejection = _rejected(place(snapshot(draining, fresh, ok), request(exclude=frozenset({"d3"}))))
+    assert rejection.reason is RejectReason.NO_LIVE_WORKER
+    p_excluded = view("p1", Role.PREFILL)
+    p_ok = view("p2", Role.PREFILL, queued_tokens=500)
+    result = _placed(place(snapshot(ok, p_excluded, p_ok), request(exclude=frozenset({"p1"}))))
+    assert result.prefill is not None and result.prefill.worker_id == "p2"
+
+
+def test_place_is_deterministic_and_pure() -> None:
+    cluster = snapshot(view("d2"), view("d1"), view("p2", Role.PREFILL), view("p1", Role.PREFILL))
+    first = place(cluster, request())
+    assert first == place(cluster, request())
+    placed = _placed(first)
+    assert (placed.decode.worker_id, placed.prefill and placed.prefill.worker_id) == ("d1", "p1")
+
+
+# ---- properties ----
+
+# Weighted towards clusters where placement is possible, so both outcomes get exercised.
+_roles = st.sampled_from([Role.DECODE, Role.DECODE, Role.PREFILL, Role.PREFILL, Role.COLOCATED])
+_states = st.sampled_from(
+    [WorkerState.SERVING] * 4 + [WorkerState.DRAINING, WorkerState.REGISTERED]
+)
+
+
+@st.composite
+def _worker(draw: st.DrawFn, worker_id: str) -> WorkerView:
+    cap = capacity(
+        blocks=draw(st.integers(1, 400)),
+        block_size=draw(st.sampled_from([8, 16])),
+        seqs=draw(st.integers(1, 8)),
+        model_len=draw(st.integers(256, 4096)),
+    )
+    return view(
+        worker_id,
+        draw(_roles),
+        cap=cap,
+        free=draw(st.integers(0, cap.total_kv_blocks)),
+        running=draw(st.integers(0, 8)),
+        waiting=draw(st.integers(0, 2)),
+        queued_tokens=draw(st.integers(0, 2000)),
+        # Mostly within the lease; a fifth of the workers are dead.
+        age=draw(st.floats(0.0, TTL) if draw(st.integers(0, 4)) < 4 else st.floats(TTL, 3 * TTL)),
+        state=WorkerState.SERVING if draw(st.integers(0, 4)) < 4 else draw(_states),
+        model=draw(st.sampled_from(["a", "a", "a", "b"])),
+        transports=draw(st.sampled_from([("tcp",), ("tcp",), ("shm",), ("shm", "tcp"), ()])),
+        host_id=draw(st.sampled_from(["h1", "h2"])),
+        pending_blocks=draw(st.integers(0, 20)),
+        pending_seqs=draw(st.integers(0, 3)),
+    )
+
+
+@st.composite
+def _cluster(draw: st.DrawFn) -> tuple[list[WorkerView], dict[int, set[str]]]:
+    n = draw(st.integers(1, 8))
+    workers = [draw(_worker(f"w{i}")) for i in range(n)]
+    ids = [w.worker_id for w in workers]
+    index: dict[int, set[str]] = {}
+    for h in H:
+        holders = draw(st.sets(st.sampled_from(ids))) if ids else set()
+        if holders:
+            index[h] = holders
+    return workers, index
+
+
+_limits = st.builds(
+    AdmissionLimits,
+    max_inflight=st.integers(1, 400),
+    max_waiting_per_worker=st.integers(0, 16),
+    max_queued_prompt_tokens=st.integers(1, 8000),
+    local_prefill_max_tokens=st.sampled_from([0, 32]),
+    retry_after_ms=st.just(100),
+)
+_requests = st.builds(
+    request,
+    prompt=st.integers(1, 600),
+    max_tokens=st.integers(1, 200),
+    hashes=st.sampled_from([(), H[:1], H]),
+    hash_block_size=st.sampled_from([8, 16]),
+    exclude=st.frozensets(st.sampled_from([f"w{i}" for i in range(8)]), max_size=2),
+    model=st.sampled_from(["", "a", "a", "a", "b"]),
+)
+
+
+def _usable(w: WorkerView, model: str, exclude: Sequence[str] | frozenset[str]) -> bool:
+    return (
+        is_live(w, NOW, TTL)
+        and w.state is WorkerState.SERVING
+        and w.worker_id not in exclude
+        and model in ("", w.info.model)
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(cluster=_cluster(), limits=_limits, req=_requests)
+def test_property_placement_only_picks_live_workers_with_room(
+    cluster: tuple[list[WorkerView], dict[int, set[str]]],
+    limits: AdmissionLimits,
+    req: PlaceRequest,
+) -> None:
+    workers, index = cluster
+    snap = snapshot(*workers, index=index, limits=limits)
+    result = place(snap, req)
+    by_id = {w.worker_id: w for w in workers}
+    if isinstance(result, Rejection):
+        # A rejection is justified: no usable decode worker has room, or (disaggregated)
+        # every compatible prefill worker is full, or the in-flight cap is reached.
+        usable_decoders = [
+            w
+            for w in workers
+            if w.info.role.decodes and _usable(w, req.model, req.exclude_worker_ids)
+        ]
+        room = [w for w in usable_decoders if has_decode_room(w, req, limits)]
+        inflight = sum(w.active_sequences for w in usable_decoders)
+        no_prefill_pool = not any(
+            w.info.role is Role.PREFILL and _usable(w, req.model, req.exclude_worker_ids)
+            for w in workers
+        )
+        if room and inflight < limits.max_inflight and no_prefill_pool:
+            raise AssertionError(f"rejected {result} although {room[0].worker_id} had room")
+        return
+    decode = by_id[result.decode.worker_id]
+    assert decode.info.role.decodes
+    assert _usable(decode, req.model, req.exclude_worker_ids)
+    assert has_decode_room(decode, req, limits)
+    assert result.decode_kv_blocks <= decode.free_kv_blocks
+    assert 0 <= result.expected_cached_tokens <= req.prompt_tokens
+    if result.prefill is None:
+        assert result.mode is not PrefillMode.DISAGGREGATED
+    else:
+        prefill = by_id[result.prefill.worker_id]
+        assert result.mode is PrefillMode.DISAGGREGATED
+        assert prefill.info.role is Role.PREFILL
+        assert _usable(prefill, req.model, req.exclude_worker_ids)
+        assert has_prefill_room(prefill, req, limits)
