@@ -2,6 +2,7 @@
 
 Subcommands:
   generate   run the colocated engine in this process and stream one completion
+  up         start the local stack (redis, scheduler, workers, gateway) as processes
 """
 
 from __future__ import annotations
@@ -33,7 +34,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_engine_flags(gen)
     gen.set_defaults(func=_cmd_generate)
+    up = sub.add_parser("up", help="start the local stack (redis, scheduler, workers, gateway)",
+                        description=_up_doc())  # fmt: skip
+    from services.up import add_up_flags
+
+    add_up_flags(up)
+    up.set_defaults(func=_cmd_up)
     return parser
+
+
+def _up_doc() -> str:
+    from services import up
+
+    return up.__doc__ or ""
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from services.up import run_up
+
+    return run_up(args)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

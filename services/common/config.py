@@ -29,6 +29,10 @@ def apply_env_defaults(parser: argparse.ArgumentParser, service: str) -> None:
 def add_service_flags(p: argparse.ArgumentParser, *, port: int, metrics_port: int) -> None:
     g = p.add_argument_group("service")
     g.add_argument("--host", default="127.0.0.1", help="address to bind")
+    g.add_argument("--advertise-host", default=None,
+                   help="address peers use to reach this process (default: --host, "
+                   "or 127.0.0.1 when binding all interfaces; in containers: the "
+                   "hostname)")  # fmt: skip
     g.add_argument("--port", type=int, default=port, help="gRPC port (0: any free port)")
     g.add_argument("--metrics-port", type=int, default=metrics_port,
                    help="Prometheus /metrics port (0: off)")  # fmt: skip

@@ -56,8 +56,9 @@ def start_metrics(port: int, host: str = "0.0.0.0") -> None:
 class GrpcService:
     """A grpc.aio server with ``grpc.health.v1`` and a drain on SIGTERM."""
 
-    def __init__(self, name: str, host: str, port: int) -> None:
+    def __init__(self, name: str, host: str, port: int, advertise_host: str | None = None) -> None:
         self.name = name
+        self.advertise_host = advertise_host
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", 64 << 20),
@@ -74,7 +75,10 @@ class GrpcService:
 
     @property
     def address(self) -> str:
-        host = self.host if self.host not in ("0.0.0.0", "::", "[::]") else "127.0.0.1"
+        """Where peers reach this server (what is registered with the scheduler)."""
+        host = self.advertise_host or (
+            self.host if self.host not in ("0.0.0.0", "::", "[::]") else "127.0.0.1"
+        )
         return f"{host}:{self.port}"
 
     async def set_serving(self, serving: bool) -> None:

@@ -50,7 +50,9 @@ async def _main(args: argparse.Namespace) -> None:
     region: KVRegion | None = None
     transport = None
     if args.role == "decode":
-        opts = {"host": args.host, "port": args.kv_port} if args.transport == "tcp" else {}
+        opts: dict[str, object] = {}
+        if args.transport == "tcp":
+            opts = {"host": args.host, "port": args.kv_port, "advertise_host": args.advertise_host}
         transport = get_transport(args.transport, **opts)
 
         def kv_memory(spec: KVCacheSpec) -> torch.Tensor:
@@ -62,7 +64,7 @@ async def _main(args: argparse.Namespace) -> None:
     else:
         engine = build_engine(args)
     aengine = AsyncEngine(engine)
-    svc = GrpcService("pdserve.v1.DecodeWorker", args.host, args.port)
+    svc = GrpcService("pdserve.v1.DecodeWorker", args.host, args.port, args.advertise_host)
     servicer = DecodeServicer(
         aengine,
         region.handle if region is not None else None,

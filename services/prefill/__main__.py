@@ -39,7 +39,7 @@ async def _main(args: argparse.Namespace) -> None:
     aengine = AsyncEngine(engine, prefill_token_budget=args.prefill_token_budget)
     names = [t.strip() for t in args.transports.split(",") if t.strip()]
     transports = {n: get_transport(n) for n in names}
-    svc = GrpcService("pdserve.v1.PrefillWorker", args.host, args.port)
+    svc = GrpcService("pdserve.v1.PrefillWorker", args.host, args.port, args.advertise_host)
     servicer = PrefillServicer(aengine, transports)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, svc.server)
     try:

@@ -1,0 +1,134 @@
+"""``pdserve up``: the whole stack as local processes, each service its own process.
+
+Order: redis-server -> scheduler -> prefill workers -> decode workers -> gateway. Each
+process prints ``READY <role> <address>`` when it serves; ``up`` waits for every one (with
+a deadline), prints the endpoints, and on Ctrl-C / SIGTERM stops them in reverse order
+(SIGTERM, which drains, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY_TIMEOUT_S = 180.0
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    cpus: set[int] | None = None
+    popen: subprocess.Popen[str] | None = None
+    address: str = ""
+    ready: threading.Event = field(default_factory=threading.Event)
+    lines: list[str] = field(default_factory=list)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Stack:
+    """Starts and stops a set of processes; the owner of their lifetimes."""
+
+    def __init__(self, *, log_dir: Path, echo: bool = False) -> None:
+        self.procs: list[Proc] = []
+        self.log_dir = log_dir
+        self.echo = echo
+
+    def start(self, proc: Proc, *, ready_line: str | None = "READY ") -> Proc:
+        def pin() -> None:
+            if proc.cpus:
+                os.sched_setaffinity(0, proc.cpus)
+
+        log = open(self.log_dir / f"{proc.name}.log", "w")
+        proc.popen = subprocess.Popen(
+            proc.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=pin,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
+        self.procs.append(proc)
+
+        def pump() -> None:
+            assert proc.popen is not None and proc.popen.stdout is not None
+            with log:
+                for line in proc.popen.stdout:
+                    log.write(line)
+                    log.flush()
+                    proc.lines.append(line)
+                    del proc.lines[:-50]
+                    if self.echo:
+                        sys.stderr.write(f"[{proc.name}] {line}")
+                    if ready_line and line.startswith(ready_line) and not proc.ready.is_set():
+                        parts = line.split()
+                        proc.address = parts[2] if len(parts) > 2 else ""
+                        proc.ready.set()
+
+        threading.Thread(target=pump, name=f"log-{proc.name}", daemon=True).start()
+        if ready_line is None:
+            proc.ready.set()
+        return proc
+
+    def wait_ready(self, procs: Sequence[Proc], timeout: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            while not p.ready.wait(0.1):
+                assert p.popen is not None
+                if p.popen.poll() is not None:
+                    raise RuntimeError(
+                        f"{p.name} exited ({p.popen.returncode}):\n{''.join(p.lines)}"
+                    )
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"{p.name} not ready after {timeout:.0f}s:\n{''.join(p.lines)}"
+                    )
+
+    def stop(self, grace: float = 15.0) -> None:
+        for p in reversed(self.procs):
+            if p.popen is not None and p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in reversed(self.procs):
+            if p.popen is None:
+                continue
+            try:
+                p.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait(5)
+
+    def dead(self) -> list[Proc]:
+        return [p for p in self.procs if p.popen is not None and p.popen.poll() is not None]
+
+
+def redis_proc(port: int, workdir: Path) -> Proc:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server is not installed (bash scripts/setup.sh installs it)")
+    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", str(workdir), "--protected-mode", "no"]  # fmt: skip
+    return Proc("redis", argv)
+
+
+def py(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+def default_log_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="pdserve-"))

@@ -1,0 +1,188 @@
+"""``pdserve up``: start the local stack and (optionally) send it a real request.
+
+Disaggregated (default): redis-server, the scheduler, ``--prefill`` prefill workers,
+``--decode`` decode workers and the gateway, each its own process. ``--colocated``: one
+colocated worker (prefill and decode in one engine) behind the same scheduler and gateway:
+the baseline. ``--pin`` gives each worker its own CPU core (round-robin).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+from services.launcher import Proc, Stack, default_log_dir, free_port, py, redis_proc
+
+
+def add_up_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--colocated", action="store_true", help="one colocated worker (baseline)")
+    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, metavar="N", help="decode workers")
+    p.add_argument("--transport", choices=["shm", "tcp"], default="shm", help="KV data plane")
+    p.add_argument("--host", default="127.0.0.1", help="address every service binds")
+    p.add_argument("--http-port", type=int, default=8000, help="gateway OpenAI HTTP port")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port")
+    p.add_argument("--scheduler-port", type=int, default=0, help="scheduler gRPC (0: free)")
+    p.add_argument("--redis-port", type=int, default=0, help="redis-server port (0: free)")
+    p.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--pin", action="store_true", help="pin each worker to its own CPU core")
+    p.add_argument("--kv-cache-mib", type=int, default=512, help="KV pool per worker")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--chunked-prefill", type=int, default=0, metavar="TOKENS",
+                   help="colocated worker: chunk prompts (0: off)")  # fmt: skip
+    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
+    p.add_argument("--log-dir", type=Path, default=None, help="per-process logs (default: tmp)")
+    p.add_argument("--echo-logs", action="store_true", help="copy every process log to stderr")
+    p.add_argument("--smoke", nargs="?", const="What is the capital of France?", default=None,
+                   metavar="QUESTION",
+                   help="send one streaming chat request through the gateway, print the "
+                   "answer and stop")  # fmt: skip
+
+
+def _engine_args(args: argparse.Namespace) -> list[str]:
+    out = ["--kv-cache-mib", str(args.kv_cache_mib), "--threads", str(args.threads_per_worker),
+           "--max-num-seqs", str(args.max_num_seqs)]  # fmt: skip
+    if args.model:
+        out += ["--model", args.model]
+    return out
+
+
+def launch(args: argparse.Namespace, stack: Stack) -> dict[str, str]:
+    """Start everything and wait until it serves; returns the endpoints."""
+    workdir = stack.log_dir
+    redis_port = args.redis_port or free_port()
+    stack.start(redis_proc(redis_port, workdir), ready_line="Ready to accept connections")
+    sched_port = args.scheduler_port or free_port()
+    sched = stack.start(Proc("scheduler", py(
+        "services.scheduler", "--grpc-host", args.host, "--grpc-port", str(sched_port),
+        "--metrics-port", "0", "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
+    )))  # fmt: skip
+    stack.wait_ready(stack.procs)
+    cores = sorted(os.sched_getaffinity(0))
+    slot = 0
+
+    def cpus() -> set[int] | None:
+        nonlocal slot
+        if not args.pin:
+            return None
+        core = cores[slot % len(cores)]
+        slot += 1
+        return {core}
+
+    common = ["--host", args.host, "--port", "0", "--scheduler", sched.address,
+              "--heartbeat-interval", "0.5"]  # fmt: skip
+    workers: list[Proc] = []
+    if args.colocated:
+        extra = ["--chunked-prefill", str(args.chunked_prefill)] if args.chunked_prefill else []
+        workers.append(stack.start(Proc("colocated-0", py(
+            "services.decode", "--role", "colocated", *common, *_engine_args(args), *extra,
+        ), cpus())))  # fmt: skip
+    else:
+        for i in range(args.prefill):
+            workers.append(stack.start(Proc(f"prefill-{i}", py(
+                "services.prefill", *common, "--worker-id", f"prefill-{i}", *_engine_args(args),
+            ), cpus())))  # fmt: skip
+        for i in range(args.decode):
+            workers.append(stack.start(Proc(f"decode-{i}", py(
+                "services.decode", *common, "--worker-id", f"decode-{i}",
+                "--transport", args.transport, *_engine_args(args),
+            ), cpus())))  # fmt: skip
+    gw = ["--host", args.host, "--http-port", str(args.http_port),
+          "--grpc-port", str(args.grpc_port),
+          "--backend", "cluster", "--scheduler", sched.address]  # fmt: skip
+    if args.model:
+        gw += ["--model", args.model]
+    stack.wait_ready(workers)
+    gateway = stack.start(Proc("gateway", py("services.gateway", *gw)))
+    stack.wait_ready([gateway])
+    _wait_placeable(args, gateway.address)
+    return {
+        "http": f"http://{gateway.address}/v1",
+        "grpc": f"{args.host}:{args.grpc_port}",
+        "scheduler": sched.address,
+        "redis": f"redis://127.0.0.1:{redis_port}/0",
+        "logs": str(stack.log_dir),
+    }
+
+
+def _wait_placeable(args: argparse.Namespace, address: str, timeout: float = 30.0) -> None:
+    """Workers register asynchronously: wait until the gateway reports healthy."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{address}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("the gateway did not report healthy in time")
+        time.sleep(0.2)
+
+
+def smoke(base_url: str, question: str) -> str:
+    """One streaming chat completion over plain HTTP; prints the answer as it streams."""
+    body = json.dumps({
+        "model": "default",
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": 64, "temperature": 0, "stream": True,
+    }).encode()  # fmt: skip
+    req = urllib.request.Request(f"{base_url}/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    text = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            delta = json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+            text.append(delta)
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return "".join(text)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    if not args.colocated and (args.prefill < 1 or args.decode < 1):
+        print("pdserve up: need at least one prefill and one decode worker", file=sys.stderr)
+        return 2
+    log_dir = args.log_dir or default_log_dir()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stack = Stack(log_dir=log_dir, echo=args.echo_logs)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        endpoints = launch(args, stack)
+        mode = "colocated" if args.colocated else (
+            f"disaggregated: {args.prefill} prefill + {args.decode} decode over {args.transport}"
+        )  # fmt: skip
+        print(f"pdserve is up ({mode})", file=sys.stderr)
+        for k, v in endpoints.items():
+            print(f"  {k:<9} {v}", file=sys.stderr)
+        if args.smoke is not None:
+            print(f"> {args.smoke}", file=sys.stderr)
+            smoke(endpoints["http"], args.smoke)
+            return 0
+        print("Ctrl-C stops everything.", file=sys.stderr)
+        while not stop.wait(0.5):
+            dead = stack.dead()
+            if dead:
+                print(f"pdserve up: {dead[0].name} exited; stopping", file=sys.stderr)
+                return 1
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    except RuntimeError as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 1
+    finally:
+        stack.stop()
