@@ -37,16 +37,30 @@ def _load() -> ModuleType | None:
         try:
             from torch.utils.cpp_extension import load
 
+            isa, flags = _isa_flags()
+            # The ISA is part of the name, so a cached build never runs on a CPU without it
+            # (an image built on one machine and run on another).
             _module = load(
-                name="pdserve_paged_decode_attention",
+                name=f"pdserve_paged_decode_attention_{isa}",
                 sources=[str(_SRC)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"],
+                extra_cflags=["-O3", *flags, "-fopenmp-simd", "-fno-math-errno"],
                 verbose=False,
             )
         except Exception as e:  # no compiler, no ninja, no headers: keep the reference
             _failed = True
             log.warning("cpu_kernel_unavailable", kernel="paged_decode_attention", error=str(e))
         return _module
+
+
+def _isa_flags() -> tuple[str, list[str]]:
+    """AVX2+FMA where this CPU has them (the kernel's fast path), else portable code."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        flags = []
+    if "avx2" in flags and "fma" in flags:
+        return "avx2", ["-mavx2", "-mfma"]
+    return "generic", []
 
 
 def cpu_kernel_available() -> bool:

@@ -50,6 +50,9 @@ class Stack:
         self.echo = echo
 
     def start(self, proc: Proc, *, ready_line: str | None = "READY ") -> Proc:
+        """Start ``proc``; it is ready once a line containing ``ready_line`` appears (our
+        services print ``READY <role> <address>``)."""
+
         def pin() -> None:
             if proc.cpus:
                 os.sched_setaffinity(0, proc.cpus)
@@ -75,9 +78,10 @@ class Stack:
                     del proc.lines[:-50]
                     if self.echo:
                         sys.stderr.write(f"[{proc.name}] {line}")
-                    if ready_line and line.startswith(ready_line) and not proc.ready.is_set():
+                    if ready_line and ready_line in line and not proc.ready.is_set():
                         parts = line.split()
-                        proc.address = parts[2] if len(parts) > 2 else ""
+                        if line.startswith("READY ") and len(parts) > 2:
+                            proc.address = parts[2]
                         proc.ready.set()
 
         threading.Thread(target=pump, name=f"log-{proc.name}", daemon=True).start()

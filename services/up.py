@@ -77,21 +77,31 @@ def launch(args: argparse.Namespace, stack: Stack) -> dict[str, str]:
 
     common = ["--host", args.host, "--port", "0", "--scheduler", sched.address,
               "--heartbeat-interval", "0.5"]  # fmt: skip
+    metrics: dict[str, str] = {}
+
+    def metrics_flag(name: str) -> list[str]:
+        port = free_port()
+        metrics[name] = f"http://{args.host}:{port}/metrics"
+        return ["--metrics-port", str(port)]
+
     workers: list[Proc] = []
     if args.colocated:
         extra = ["--chunked-prefill", str(args.chunked_prefill)] if args.chunked_prefill else []
         workers.append(stack.start(Proc("colocated-0", py(
             "services.decode", "--role", "colocated", *common, *_engine_args(args), *extra,
+            *metrics_flag("colocated-0"),
         ), cpus())))  # fmt: skip
     else:
         for i in range(args.prefill):
             workers.append(stack.start(Proc(f"prefill-{i}", py(
                 "services.prefill", *common, "--worker-id", f"prefill-{i}", *_engine_args(args),
+                *metrics_flag(f"prefill-{i}"),
             ), cpus())))  # fmt: skip
         for i in range(args.decode):
             workers.append(stack.start(Proc(f"decode-{i}", py(
                 "services.decode", *common, "--worker-id", f"decode-{i}",
                 "--transport", args.transport, *_engine_args(args),
+                *metrics_flag(f"decode-{i}"),
             ), cpus())))  # fmt: skip
     gw = ["--host", args.host, "--http-port", str(args.http_port),
           "--grpc-port", str(args.grpc_port),
@@ -108,6 +118,7 @@ def launch(args: argparse.Namespace, stack: Stack) -> dict[str, str]:
         "scheduler": sched.address,
         "redis": f"redis://127.0.0.1:{redis_port}/0",
         "logs": str(stack.log_dir),
+        **{f"metrics:{k}": v for k, v in metrics.items()},
     }
 
 
@@ -130,8 +141,10 @@ def _wait_placeable(args: argparse.Namespace, address: str, timeout: float = 30.
 
 def smoke(base_url: str, question: str) -> str:
     """One streaming chat completion over plain HTTP; prints the answer as it streams."""
+    with urllib.request.urlopen(f"{base_url}/models", timeout=10) as r:
+        model = json.load(r)["data"][0]["id"]
     body = json.dumps({
-        "model": "default",
+        "model": model,
         "messages": [{"role": "user", "content": question}],
         "max_tokens": 64, "temperature": 0, "stream": True,
     }).encode()  # fmt: skip
@@ -167,7 +180,7 @@ def run_up(args: argparse.Namespace) -> int:
         )  # fmt: skip
         print(f"pdserve is up ({mode})", file=sys.stderr)
         for k, v in endpoints.items():
-            print(f"  {k:<9} {v}", file=sys.stderr)
+            print(f"  {k:<19} {v}", file=sys.stderr)
         if args.smoke is not None:
             print(f"> {args.smoke}", file=sys.stderr)
             smoke(endpoints["http"], args.smoke)

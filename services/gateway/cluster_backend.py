@@ -1,0 +1,169 @@
+"""The disaggregated backend: the scheduler places a request, a decode worker streams it.
+
+Lifecycle: ``Place`` (scheduler: admission, prefill and decode worker choice, prefix-aware)
+-> ``DecodeWorker.Generate`` with the chosen prefill worker's address (the decode worker
+reserves KV, has the prefill worker fill it, then streams tokens) -> chunks to the client
+-> ``ReportOutcome`` to the scheduler (fire-and-forget: the scheduler is off the token path).
+Closing the iterator cancels the decode call, which frees the KV on both workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.block_hash import hash_blocks
+from engine.errors import InvalidRequestError, ResourceExhaustedError
+from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common.convert import finish_from_proto, sampling_to_proto
+from services.gateway.backend import BackendUnavailableError, GenerateChunk, GenerateInput
+
+log = structlog.get_logger(__name__)
+
+PLACE_TIMEOUT_S = 5.0
+HASH_BLOCK_SIZE = 16
+
+
+def _error_for(e: grpc.aio.AioRpcError, what: str) -> Exception:
+    code, details = e.code(), e.details() or ""
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+        return InvalidRequestError(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ResourceExhaustedError(details or f"{what}: no capacity")
+    return BackendUnavailableError(f"{what}: {code.name}: {details}")
+
+
+class ClusterBackend:
+    def __init__(
+        self,
+        scheduler_address: str,
+        *,
+        worker_model: str = "",
+        generate_timeout_s: float = 600.0,
+    ) -> None:
+        """``worker_model``: the model name workers register with (the scheduler matches
+        requests to workers by it; the name clients use may be an alias)."""
+        self.scheduler_address = scheduler_address
+        self.worker_model = worker_model
+        self.generate_timeout_s = generate_timeout_s
+        self._sched_channel: grpc.aio.Channel | None = None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        """Open the scheduler channel; call on the event loop that will use it."""
+        self._sched_channel = grpc.aio.insecure_channel(self.scheduler_address)
+        self._sched = scheduler_pb2_grpc.SchedulerStub(self._sched_channel)
+        self._health = health_pb2_grpc.HealthStub(self._sched_channel)
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        if self._sched_channel is not None:
+            await self._sched_channel.close()
+
+    async def ready(self) -> bool:
+        try:
+            r = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        except grpc.aio.AioRpcError:
+            return False
+        return r.status == health_pb2.HealthCheckResponse.SERVING
+
+    def _decode_stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = grpc.aio.insecure_channel(address)
+            self._channels[address] = ch
+        return worker_pb2_grpc.DecodeWorkerStub(ch)
+
+    async def _place(self, req: GenerateInput) -> scheduler_pb2.Placement:
+        ids = list(req.prompt_token_ids)
+        try:
+            return await self._sched.Place(
+                scheduler_pb2.PlaceRequest(
+                    request_id=req.request_id,
+                    model=self.worker_model,
+                    prompt_tokens=len(ids),
+                    max_tokens=req.params.max_tokens,
+                    prompt_block_hashes=hash_blocks(ids, HASH_BLOCK_SIZE),
+                    hash_block_size=HASH_BLOCK_SIZE,
+                ),
+                timeout=PLACE_TIMEOUT_S,
+            )
+        except grpc.aio.AioRpcError as e:
+            raise _error_for(e, "scheduler") from e
+
+    async def generate(self, req: GenerateInput) -> AsyncIterator[GenerateChunk]:
+        arrival_ns = time.time_ns()
+        placement = await self._place(req)
+        decode = placement.decode
+        prefill_addr = placement.prefill.grpc_address if placement.HasField("prefill") else ""
+        call = self._decode_stub(decode.grpc_address).Generate(
+            worker_pb2.DecodeGenerateRequest(
+                request_id=req.request_id,
+                prompt_token_ids=list(req.prompt_token_ids),
+                sampling=sampling_to_proto(req.params),
+                prefill_address=prefill_addr,
+                prefill_worker_id=placement.prefill.worker_id if prefill_addr else "",
+            ),
+            timeout=self.generate_timeout_s,
+        )
+        outcome = scheduler_pb2.Outcome(
+            request_id=req.request_id,
+            decode_worker_id=decode.worker_id,
+            prefill_worker_id=placement.prefill.worker_id if prefill_addr else "",
+            arrival_unix_ns=arrival_ns,
+        )
+        completion = 0
+        finished = False
+        try:
+            async for ev in call:
+                completion += len(ev.token_ids)
+                if not outcome.first_token_unix_ns and ev.token_ids:
+                    outcome.first_token_unix_ns = time.time_ns()
+                reason = finish_from_proto(ev.finish_reason)
+                if reason is not None:
+                    finished = True
+                    outcome.finish_reason = ev.finish_reason
+                    outcome.usage.CopyFrom(ev.usage)
+                    outcome.kv_transfer_bytes = ev.kv_transfer_bytes
+                yield GenerateChunk(
+                    text_delta=ev.text,
+                    token_ids=tuple(ev.token_ids),
+                    logprobs=tuple(ev.logprobs) if req.params.logprobs else (),
+                    finish_reason=reason,
+                    prompt_tokens=len(req.prompt_token_ids),
+                    completion_tokens=completion,
+                    cached_tokens=ev.usage.cached_tokens if reason else 0,
+                )
+        except grpc.aio.AioRpcError as e:
+            outcome.finish_reason = common_pb2.FINISH_REASON_ERROR
+            outcome.error_code = e.code().value[0]
+            outcome.error_message = e.details() or ""
+            raise _error_for(e, f"decode worker {decode.worker_id}") from e
+        finally:
+            if not finished:
+                call.cancel()  # the client went away: the decode worker frees the KV
+                if not outcome.finish_reason:
+                    outcome.finish_reason = common_pb2.FINISH_REASON_ABORT
+            outcome.finish_unix_ns = time.time_ns()
+            self._report(outcome)
+
+    def _report(self, outcome: scheduler_pb2.Outcome) -> None:
+        async def send() -> None:
+            try:
+                await self._sched.ReportOutcome(outcome, timeout=2.0)
+            except grpc.aio.AioRpcError as e:
+                log.debug("outcome_report_failed", code=e.code().name)
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,104 @@
+"""``EngineBackend``: the ``Backend`` protocol over a colocated engine in this process.
+
+Used by the single-process gateway (``--backend local``) and by the gateway's tests. The
+engine runs on its own thread (``AsyncEngine``); this class only adapts its events to
+``GenerateChunk`` and bounds how many requests may be in flight at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+import structlog
+
+from engine.async_engine import AsyncEngine
+from engine.errors import ResourceExhaustedError
+from services.gateway.backend import BackendUnavailableError, GenerateChunk, GenerateInput
+
+log = structlog.get_logger(__name__)
+
+_READY_TIMEOUT_S = 2.0
+
+
+class EngineBackend:
+    """Serve requests with an ``AsyncEngine`` (colocated prefill and decode).
+
+    ``max_active`` bounds the requests in flight through this backend; one more raises
+    ``ResourceExhaustedError`` before anything is queued (None: unbounded). Call ``start``
+    from the event loop before use and ``stop`` when done; ``stop`` stops the engine.
+    """
+
+    def __init__(self, engine: AsyncEngine, *, max_active: int | None = None) -> None:
+        self.engine = engine
+        self.max_active = max_active
+        self._active = 0
+        self._started = False
+        self._stopping = False
+        # Aborts sent for requests cancelled mid-submission; kept so they are not collected.
+        self._aborts: set[asyncio.Task[bool]] = set()
+
+    @property
+    def num_active(self) -> int:
+        """Requests currently streaming through this backend."""
+        return self._active
+
+    def start(self) -> None:
+        self.engine.start()
+        self._started = True
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        if self._started:
+            await self.engine.stop(timeout)
+
+    async def ready(self) -> bool:
+        """True when the engine thread answers a no-op command within 2 s."""
+        if not self._started or self._stopping:
+            return False
+        try:
+            return bool(await asyncio.wait_for(self.engine.call(lambda: True), _READY_TIMEOUT_S))
+        except TimeoutError:
+            return False
+
+    async def generate(self, req: GenerateInput) -> AsyncIterator[GenerateChunk]:
+        if not self._started or self._stopping:
+            raise BackendUnavailableError("the engine is not running")
+        if self.max_active is not None and self._active >= self.max_active:
+            raise ResourceExhaustedError(
+                f"the server is at its limit of {self.max_active} concurrent requests"
+            )
+        self._active += 1
+        finished = cancelled = False
+        stream = self.engine.generate(req.request_id, list(req.prompt_token_ids), req.params)
+        try:
+            async with aclosing(stream):
+                async for ev in stream:
+                    finished = ev.finished
+                    yield GenerateChunk(
+                        text_delta=ev.text_delta,
+                        token_ids=ev.new_token_ids,
+                        logprobs=ev.new_logprobs if req.params.logprobs else (),
+                        finish_reason=ev.finish_reason,
+                        prompt_tokens=ev.num_prompt_tokens,
+                        completion_tokens=ev.num_output_tokens,
+                        cached_tokens=ev.num_cached_tokens,
+                    )
+        except (asyncio.CancelledError, GeneratorExit):
+            cancelled = True
+            raise
+        finally:
+            self._active -= 1
+            if cancelled and not finished:
+                # AsyncEngine aborts a request whose stream is closed after it started, but a
+                # cancel that lands while the request is being added can leave it running
+                # with nobody reading; aborting again is a no-op otherwise.
+                self._abort_later(req.request_id)
+
+    def _abort_later(self, request_id: str) -> None:
+        if self._stopping:
+            return
+        task = asyncio.get_running_loop().create_task(self.engine.abort(request_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)

@@ -1,0 +1,289 @@
+"""The gRPC edge: ``pdserve.v1.Gateway`` (Generate, ListModels) and ``grpc.health.v1``.
+
+Generate: authenticate -> resolve model -> template/tokenize/check (``grpc_convert``) ->
+backend stream -> events. Errors before the first event end the call with a status
+(INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE, UNAUTHENTICATED); a failure
+after it ends the stream with a FINISH_REASON_ERROR event. A client cancel or deadline
+cancels the servicer task, which closes the backend stream and aborts the request.
+
+A request whose bytes do not decode (e.g. invalid UTF-8 in a string field) is answered
+INVALID_ARGUMENT rather than grpc's default INTERNAL: the method handlers are registered
+with a deserializer that hands the decode error to the servicer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import structlog
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from engine.errors import (
+    CapacityError,
+    EngineError,
+    InvalidRequestError,
+    ResourceExhaustedError,
+)
+from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.gateway import grpc_convert as conv
+from services.gateway.backend import BackendUnavailableError, GenerateChunk, GenerateInput
+from services.gateway.served_model import ServedModel
+from services.gateway.service import GatewayService, new_request_id
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAME = "pdserve.v1.Gateway"
+RETRY_AFTER_MS = 1000  # suggested back-off on RESOURCE_EXHAUSTED
+
+
+@dataclass(frozen=True)
+class _Undecodable:
+    """Stands in for a request message whose bytes failed to parse."""
+
+    error: str
+
+
+def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as exc:
+            return _Undecodable(str(exc) or "malformed protobuf")
+
+    return deserialize
+
+
+class _Status(Exception):
+    """End the call with this status (before any event was sent)."""
+
+    def __init__(
+        self, code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+        self.trailing = trailing
+
+
+def _status_for(exc: EngineError) -> _Status:
+    if isinstance(exc, InvalidRequestError | CapacityError):
+        return _Status(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, ResourceExhaustedError):
+        trailing = (("retry-after-ms", str(RETRY_AFTER_MS)),)
+        return _Status(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), trailing)
+    if isinstance(exc, BackendUnavailableError):
+        return _Status(grpc.StatusCode.UNAVAILABLE, str(exc))
+    return _Status(grpc.StatusCode.INTERNAL, f"generation failed: {exc}")
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    """``pdserve.v1.Gateway`` over a ``GatewayService``."""
+
+    def __init__(self, service: GatewayService) -> None:
+        self.service = service
+
+    def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
+        md = dict(context.invocation_metadata() or ())
+        if not self.service.authorized(md.get("authorization")):
+            raise _Status(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "invalid or missing API key: send metadata 'authorization: Bearer <key>'",
+            )
+
+    def _model(self, name: str) -> ServedModel:
+        models = self.service.models
+        if not name:
+            if len(models) != 1:
+                raise _Status(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"model is required: this gateway serves {sorted(models)}",
+                )
+            return next(iter(models.values()))
+        model = models.get(name)
+        if model is None:
+            raise _Status(
+                grpc.StatusCode.NOT_FOUND, f"model {name!r} is not served here: {sorted(models)}"
+            )
+        return model
+
+    async def Generate(
+        self, request: gateway_pb2.GenerateRequest | _Undecodable, context: Any
+    ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
+        received_at = time.monotonic()
+        outcome = grpc.StatusCode.OK
+        try:
+            async for ev in self._generate(request, context, received_at):
+                yield ev
+        except _Status as st:
+            outcome = st.code
+            if st.trailing:
+                context.set_trailing_metadata(st.trailing)
+            await context.abort(st.code, st.details)
+        except Exception:
+            log.exception("grpc_generate_failed")
+            outcome = grpc.StatusCode.INTERNAL
+            await context.abort(outcome, "internal error")
+        except BaseException:  # cancelled by the client, its deadline or a server stop
+            outcome = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            self.service.metrics.count_request("grpc.Generate", outcome.name)
+
+    async def _generate(
+        self, request: gateway_pb2.GenerateRequest | _Undecodable, context: Any, received_at: float
+    ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
+        if isinstance(request, _Undecodable):
+            raise _Status(
+                grpc.StatusCode.INVALID_ARGUMENT, f"the request could not be decoded: {request}"
+            )
+        self._check_auth(context)
+        if self.service.draining:
+            raise _Status(grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down; retry")
+        model = self._model(request.model)
+        try:
+            rid = conv.check_request_id(request.request_id) or new_request_id("gen")
+            params = conv.sampling_from_proto(request.sampling)
+            ids = conv.prompt_ids(request, model)
+            model.check_request(params, len(ids))
+        except InvalidRequestError as exc:
+            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        inp = GenerateInput(rid, ids, params, model.name)
+        with_ids = request.return_token_ids or params.logprobs
+        with structlog.contextvars.bound_contextvars(request_id=rid):
+            stream = self.service.generate(inp, received_at)
+            async with aclosing(stream):  # type: ignore[type-var]
+                try:
+                    chunk = await anext(stream)
+                except EngineError as exc:
+                    raise _status_for(exc) from None
+                except StopAsyncIteration:
+                    raise _Status(grpc.StatusCode.INTERNAL, "the backend sent nothing") from None
+                log.info("grpc_generate_started", prompt_tokens=len(ids))
+                first_at = time.monotonic()
+                async for ev in self._relay(rid, chunk, stream, with_ids, received_at, first_at):
+                    yield ev
+
+    async def _relay(
+        self,
+        rid: str,
+        chunk: GenerateChunk,
+        stream: AsyncIterator[GenerateChunk],
+        with_ids: bool,
+        received_at: float,
+        first_at: float,
+    ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
+        while True:
+            ev = conv.event(rid, chunk, with_token_ids=with_ids)
+            if chunk.finish_reason is not None:
+                ev.timing.first_token_seconds = first_at - received_at
+                ev.timing.total_seconds = time.monotonic() - received_at
+                yield ev
+                return
+            yield ev
+            try:
+                nxt = await anext(stream, None)
+                if nxt is None:
+                    raise RuntimeError("the backend ended the stream without a finish reason")
+            except Exception as exc:
+                log.warning("grpc_stream_failed", error=str(exc))
+                yield gateway_pb2.GenerateEvent(
+                    request_id=rid,
+                    finish_reason=common_pb2.FINISH_REASON_ERROR,
+                    error_message=str(exc) or type(exc).__name__,
+                    usage=common_pb2.Usage(
+                        prompt_tokens=chunk.prompt_tokens,
+                        completion_tokens=chunk.completion_tokens,
+                        cached_tokens=chunk.cached_tokens,
+                    ),
+                    timing=common_pb2.Timing(
+                        first_token_seconds=first_at - received_at,
+                        total_seconds=time.monotonic() - received_at,
+                    ),
+                )
+                return
+            chunk = nxt
+
+    async def ListModels(
+        self, request: gateway_pb2.ListModelsRequest | _Undecodable, context: Any
+    ) -> gateway_pb2.ListModelsReply:
+        outcome = grpc.StatusCode.OK
+        try:
+            self._check_auth(context)
+            models = sorted(self.service.models.values(), key=lambda m: m.name)
+            return gateway_pb2.ListModelsReply(models=[conv.model_card(m) for m in models])
+        except _Status as st:
+            outcome = st.code
+            await context.abort(st.code, st.details)
+            raise  # unreachable: abort raises
+        finally:
+            self.service.metrics.count_request("grpc.ListModels", outcome.name)
+
+
+def _register(server: grpc.aio.Server, servicer: GatewayServicer) -> None:
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=_lenient(gateway_pb2.GenerateRequest.FromString),
+            response_serializer=gateway_pb2.GenerateEvent.SerializeToString,
+        ),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels,
+            request_deserializer=_lenient(gateway_pb2.ListModelsRequest.FromString),
+            response_serializer=gateway_pb2.ListModelsReply.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+class GrpcServer:
+    """A grpc.aio server with the Gateway service and ``grpc.health.v1`` on ``host:port``.
+
+    Health reports SERVING for "" and ``pdserve.v1.Gateway`` once started; ``drain`` turns
+    it NOT_SERVING; ``stop(grace)`` refuses new calls and cancels those still running after
+    ``grace`` seconds. Messages over ``max_message_bytes`` get RESOURCE_EXHAUSTED from grpc.
+    """
+
+    def __init__(
+        self, service: GatewayService, host: str, port: int, *, max_message_bytes: int = 4 << 20
+    ) -> None:
+        self.service = service
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        _register(self.server, GatewayServicer(service))
+        self.health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC to {host}:{port}")
+
+    async def start(self) -> int:
+        await self.server.start()
+        await self.set_serving(True)
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def drain(self) -> None:
+        """Report NOT_SERVING from now on (load balancers stop sending new calls)."""
+        await self.health.enter_graceful_shutdown()
+
+    async def stop(self, grace: float | None) -> None:
+        await self.server.stop(grace)

@@ -1,0 +1,130 @@
+"""The gateway's Prometheus metrics (vLLM's names, ``pdserve:`` prefix).
+
+One ``GatewayMetrics`` per process, shared by the HTTP and gRPC edges, each with its own
+registry so several gateways (tests) can live in one interpreter.
+
+- ``pdserve:requests_total{endpoint,status}``: finished calls by edge endpoint and outcome
+  (HTTP status code, or gRPC status name).
+- ``pdserve:request_success_total{finished_reason}``: generations that ran to a finish.
+- ``pdserve:prompt_tokens_total``, ``pdserve:generation_tokens_total``.
+- ``pdserve:time_to_first_token_seconds``: request received -> first token out of the backend.
+- ``pdserve:inter_token_latency_seconds``: gap between consecutive tokens of one request.
+- ``pdserve:e2e_request_latency_seconds``: request received -> last chunk.
+- ``pdserve:num_requests_running``: generations streaming now.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from services.gateway.backend import GenerateChunk
+
+# vLLM's buckets: sub-10 ms to minutes for first tokens, 10 ms steps near typical ITL.
+_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+
+class GatewayMetrics:
+    """The metric objects, and ``track`` to measure one generation stream."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.model_name = model_name
+        self.requests = Counter(
+            "pdserve:requests", "Finished gateway calls.", ["endpoint", "status"], registry=r
+        )
+        self.request_success = Counter(
+            "pdserve:request_success",
+            "Generations that finished, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pdserve:prompt_tokens", "Prompt tokens processed.", ["model_name"], registry=r
+        )
+        self.generation_tokens = Counter(
+            "pdserve:generation_tokens", "Tokens generated.", ["model_name"], registry=r
+        )
+        self.ttft = Histogram(
+            "pdserve:time_to_first_token_seconds",
+            "Request received to first token.",
+            ["model_name"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve:inter_token_latency_seconds",
+            "Time between consecutive tokens of one request.",
+            ["model_name"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve:e2e_request_latency_seconds",
+            "Request received to last token.",
+            ["model_name"],
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge(
+            "pdserve:num_requests_running", "Generations streaming now.", ["model_name"], registry=r
+        )
+
+    def count_request(self, endpoint: str, status: str | int) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+    async def track(
+        self, stream: AsyncIterator[GenerateChunk], received_at: float, model_name: str
+    ) -> AsyncIterator[GenerateChunk]:
+        """Yield ``stream``'s chunks while timing them; closing this closes ``stream``.
+
+        ``received_at`` is the ``time.monotonic()`` when the edge received the request.
+        """
+        running = self.running.labels(model_name)
+        running.inc()
+        last: float | None = None
+        try:
+            async with aclosing(stream):  # type: ignore[type-var]
+                async for chunk in stream:
+                    now = time.monotonic()
+                    n = len(chunk.token_ids)
+                    if n:
+                        if last is None:
+                            self.ttft.labels(model_name).observe(now - received_at)
+                        else:
+                            # A chunk may carry several tokens: spread the gap over them.
+                            gap = (now - last) / n
+                            for _ in range(n):
+                                self.itl.labels(model_name).observe(gap)
+                        last = now
+                    if chunk.finish_reason is not None:
+                        # Recorded before yielding: consumers stop at the last chunk.
+                        self._finished(chunk, now - received_at, model_name)
+                    yield chunk
+        finally:
+            running.dec()
+
+    def _finished(self, chunk: GenerateChunk, seconds: float, model_name: str) -> None:
+        self.e2e.labels(model_name).observe(seconds)
+        self.request_success.labels(model_name, chunk.finish_reason).inc()
+        self.prompt_tokens.labels(model_name).inc(chunk.prompt_tokens)
+        self.generation_tokens.labels(model_name).inc(chunk.completion_tokens)

@@ -1,0 +1,599 @@
+"""OpenAI API requests: parse and validate JSON bodies into typed requests (pure functions).
+
+``parse_completion`` / ``parse_chat`` check a decoded JSON body field by field;
+``prepare_completion`` / ``prepare_chat`` then template, tokenize and check the request
+against the served model's limits, giving the backend's ``GenerateInput``. Every failure is
+an ``ApiError`` carrying the HTTP status and OpenAI's error object
+``{"error": {"message", "type", "param", "code"}}``.
+
+Supported (OpenAI names, plus vLLM's ``top_k``, ``min_p``, ``stop_token_ids``,
+``ignore_eos``): ``model``, ``prompt`` (a string, a list of token ids, or a one-element list
+of either), ``messages`` (``content`` a string or a list of ``{"type": "text"}`` parts),
+``max_tokens`` (chat: also ``max_completion_tokens``, which wins), ``temperature``,
+``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``, ``logprobs``
+(the sampled tokens' log-probabilities; top alternatives are not computed, so completions'
+``logprobs`` > 0 and chat's ``top_logprobs`` > 0 are rejected). ``n`` and ``best_of`` must
+be 1; ``echo``, ``suffix``, penalties, ``logit_bias`` and tools are rejected when they
+would change the output. ``user`` and fields we do not know are ignored.
+
+Defaults: ``max_tokens`` is 16 for completions (OpenAI's) and, for chat, the rest of the
+context capped at ``Limits.default_chat_max_tokens`` (1024 unless configured).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import CapacityError, InvalidRequestError, ResourceExhaustedError
+from engine.sampling_params import SamplingParams
+from services.gateway.backend import BackendUnavailableError, GenerateInput
+from services.gateway.served_model import ContextLengthError, ServedModel
+
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on the legacy completions ``logprobs``
+MAX_TOP_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    """A request that cannot be served, as OpenAI reports it.
+
+    ``status`` is the HTTP status; ``type``/``param``/``code`` are OpenAI's error fields
+    (``param`` names the offending request field, or None).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def __repr__(self) -> str:
+        return f"ApiError({self.status}, {self.message!r}, param={self.param!r})"
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param, code)
+
+
+def model_not_found(name: str) -> ApiError:
+    return ApiError(
+        404,
+        f"The model `{name}` does not exist or you do not have access to it.",
+        "invalid_request_error",
+        "model",
+        "model_not_found",
+    )
+
+
+_FIELD_IN_MESSAGE = re.compile(r"^(\w+)=")
+
+
+def from_engine_error(exc: Exception, prompt_param: str = "prompt") -> ApiError:
+    """Map an ``engine.errors`` exception (or a backend's) to the OpenAI error a client sees.
+
+    Raises ``exc`` itself again when it is not one a client caused or can retry.
+    """
+    if isinstance(exc, ContextLengthError):
+        return bad_request(str(exc), prompt_param, "context_length_exceeded")
+    if isinstance(exc, InvalidRequestError):
+        m = _FIELD_IN_MESSAGE.match(str(exc))
+        param = m.group(1) if m else None
+        if param == "prompt_len":
+            param = prompt_param
+        return bad_request(str(exc), param)
+    if isinstance(exc, CapacityError):
+        return bad_request(str(exc), None, "context_length_exceeded")
+    if isinstance(exc, ResourceExhaustedError):
+        return ApiError(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded")
+    if isinstance(exc, BackendUnavailableError):
+        return ApiError(503, str(exc), "server_error", None, "service_unavailable")
+    raise exc
+
+
+# -- typed requests --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The gateway-side defaults that shape a request."""
+
+    default_max_tokens: int = 16
+    default_chat_max_tokens: int = 1024
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str  # one of CHAT_ROLES except "developer", which is read as "system"
+    content: str
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A validated ``/v1/completions`` body. ``params.max_tokens`` is provisional until
+    ``prepare_completion`` applies the default; ``max_tokens`` is what the client sent."""
+
+    model: str
+    prompt: str | tuple[int, ...]
+    params: SamplingParams
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A validated ``/v1/chat/completions`` body (see ``CompletionRequest``)."""
+
+    model: str
+    messages: tuple[ChatMessage, ...]
+    params: SamplingParams
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+
+
+# -- field readers ---------------------------------------------------------------------------
+
+
+def _type_name(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _wrong_type(name: str, expected: str, value: object) -> ApiError:
+    return bad_request(
+        f"Invalid type for '{name}': expected {expected}, but got {_type_name(value)} instead.",
+        name,
+        "invalid_type",
+    )
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+class _Body:
+    """Typed access to a JSON object's optional fields; null counts as absent."""
+
+    def __init__(self, body: object) -> None:
+        if not isinstance(body, dict):
+            raise bad_request(
+                f"The request body must be a JSON object, got {_type_name(body)}.", None
+            )
+        self.raw: dict[str, Any] = body
+
+    def get(self, name: str) -> Any:
+        return self.raw.get(name)
+
+    def flag(self, name: str, default: bool = False) -> bool:
+        v = self.raw.get(name)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise _wrong_type(name, "a boolean", v)
+        return v
+
+    def integer(self, name: str, *, minimum: int | None = None) -> int | None:
+        v = self.raw.get(name)
+        if v is None:
+            return None
+        if not _is_int(v):
+            raise _wrong_type(name, "an integer", v)
+        if minimum is not None and v < minimum:
+            raise bad_request(
+                f"Invalid value for '{name}': {v} is less than the minimum of {minimum}.",
+                name,
+                "invalid_value",
+            )
+        return v
+
+    def number(self, name: str) -> float | None:
+        v = self.raw.get(name)
+        if v is None:
+            return None
+        if not _is_number(v):
+            raise _wrong_type(name, "a number", v)
+        return v
+
+    def string(self, name: str, *, required: bool = False) -> str | None:
+        v = self.raw.get(name)
+        if v is None:
+            if required:
+                raise bad_request(f"Missing required parameter: '{name}'.", name, "missing")
+            return None
+        if not isinstance(v, str):
+            raise _wrong_type(name, "a string", v)
+        return v
+
+
+def _model(body: _Body, models: Collection[str]) -> str:
+    name = body.string("model", required=True)
+    assert name is not None
+    if name not in models:
+        raise model_not_found(name)
+    return name
+
+
+def _stream_options(body: _Body) -> tuple[bool, bool]:
+    stream = body.flag("stream")
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not isinstance(opts, dict):
+        raise _wrong_type("stream_options", "an object", opts)
+    if not stream:
+        raise bad_request(
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            "stream_options",
+        )
+    include = opts.get("include_usage")
+    if include is None:
+        return stream, False
+    if not isinstance(include, bool):
+        raise _wrong_type("stream_options.include_usage", "a boolean", include)
+    return stream, include
+
+
+def _reject_unsupported(body: _Body) -> None:
+    """Options that would change the output in ways we do not implement: refuse, don't lie."""
+    for name in ("n", "best_of"):
+        v = body.integer(name)
+        if v is not None and v != 1:
+            raise bad_request(f"'{name}'={v} is not supported: only 1 choice per request.", name)
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = body.number(name)
+        if v:
+            raise bad_request(f"'{name}' is not supported (only 0).", name)
+    v = body.number("repetition_penalty")
+    if v is not None and v != 1:
+        raise bad_request("'repetition_penalty' is not supported (only 1).", "repetition_penalty")
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise _wrong_type("logit_bias", "an object", bias)
+        if bias:
+            raise bad_request("'logit_bias' is not supported.", "logit_bias")
+
+
+def _stop(body: _Body) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        return (v,)
+    if not isinstance(v, list):
+        raise _wrong_type("stop", "a string or an array of strings", v)
+    for i, s in enumerate(v):
+        if not isinstance(s, str):
+            raise _wrong_type(f"stop[{i}]", "a string", s)
+    return tuple(v)
+
+
+def _stop_token_ids(body: _Body) -> tuple[int, ...]:
+    v = body.get("stop_token_ids")
+    if v is None:
+        return ()
+    if not isinstance(v, list):
+        raise _wrong_type("stop_token_ids", "an array of integers", v)
+    for i, t in enumerate(v):
+        if not _is_int(t):
+            raise _wrong_type(f"stop_token_ids[{i}]", "an integer", t)
+    return tuple(v)
+
+
+def _sampling(body: _Body, max_tokens: int | None, logprobs: bool) -> SamplingParams:
+    """Build the request's ``SamplingParams`` (with a provisional ``max_tokens`` when absent);
+    range errors name the field."""
+    temperature = body.number("temperature")
+    top_p = body.number("top_p")
+    min_p = body.number("min_p")
+    top_k = body.integer("top_k")
+    seed = body.integer("seed")
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p)):
+        if value is not None and not math.isfinite(value):
+            raise bad_request(f"'{name}' must be a finite number.", name)
+    try:
+        return SamplingParams(
+            max_tokens=1 if max_tokens is None else max_tokens,
+            temperature=1.0 if temperature is None else temperature,
+            top_p=1.0 if top_p is None else top_p,
+            top_k=0 if top_k is None else top_k,
+            min_p=0.0 if min_p is None else min_p,
+            seed=seed,
+            stop=_stop(body),
+            stop_token_ids=_stop_token_ids(body),
+            ignore_eos=body.flag("ignore_eos"),
+            logprobs=logprobs,
+        )
+    except InvalidRequestError as exc:
+        raise from_engine_error(exc) from None
+
+
+def _max_tokens(body: _Body, *names: str) -> int | None:
+    for name in names:
+        v = body.integer(name, minimum=1)
+        if v is not None:
+            return v
+    return None
+
+
+# -- parsing ---------------------------------------------------------------------------------
+
+
+def decode_json_body(data: bytes) -> object:
+    """Decode a request body: UTF-8, then strict JSON (no NaN/Infinity). Raises ``ApiError``."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(
+            f"The request body is not valid UTF-8 (byte {exc.start}: {exc.reason}).",
+            None,
+            "invalid_encoding",
+        ) from None
+    if not text.strip():
+        raise bad_request("The request body is empty; expected a JSON object.", None)
+
+    def no_constants(name: str) -> None:
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        return json.loads(text, parse_constant=no_constants)
+    except RecursionError:
+        raise bad_request("The request body is nested too deeply.", None, "invalid_json") from None
+    except ValueError as exc:  # JSONDecodeError, NaN/Infinity, over-long integers
+        raise bad_request(
+            f"We could not parse the JSON body of your request: {exc}.", None, "invalid_json"
+        ) from None
+
+
+def _prompt(body: _Body) -> str | tuple[int, ...]:
+    v = body.get("prompt")
+    if v is None:
+        raise bad_request("Missing required parameter: 'prompt'.", "prompt", "missing")
+    if isinstance(v, list) and v and all(isinstance(p, str | list) for p in v):
+        if len(v) > 1:
+            raise bad_request(
+                f"Batched prompts ({len(v)}) are not supported: send one prompt per request.",
+                "prompt",
+            )
+        v = v[0]  # a batch of one: ["text"] or [[ids]]
+    if isinstance(v, str):
+        if not v:
+            raise bad_request("'prompt' must not be empty.", "prompt")
+        return v
+    if not isinstance(v, list):
+        raise _wrong_type("prompt", "a string or an array of token ids", v)
+    if not v:
+        raise bad_request("'prompt' must not be empty.", "prompt")
+    for i, t in enumerate(v):
+        if not _is_int(t):
+            raise _wrong_type(f"prompt[{i}]", "an integer token id", t)
+    return tuple(v)
+
+
+def parse_completion(body: object, models: Collection[str]) -> CompletionRequest:
+    """Validate a ``/v1/completions`` body. Raises ``ApiError`` (404 for an unknown model)."""
+    b = _Body(body)
+    model = _model(b, models)
+    prompt = _prompt(b)
+    if b.flag("echo"):
+        raise bad_request("'echo' is not supported.", "echo")
+    suffix = b.string("suffix")
+    if suffix:
+        raise bad_request("'suffix' is not supported.", "suffix")
+    _reject_unsupported(b)
+    logprobs = b.integer("logprobs", minimum=0)
+    if logprobs is not None and logprobs > MAX_COMPLETION_LOGPROBS:
+        raise bad_request(
+            f"'logprobs' must be at most {MAX_COMPLETION_LOGPROBS}, got {logprobs}.", "logprobs"
+        )
+    if logprobs:
+        raise bad_request(
+            "'logprobs' > 0 (top alternatives per token) is not supported; use logprobs=0 to "
+            "get the sampled tokens' log-probabilities.",
+            "logprobs",
+        )
+    stream, include_usage = _stream_options(b)
+    max_tokens = _max_tokens(b, "max_tokens")
+    return CompletionRequest(
+        model=model,
+        prompt=prompt,
+        params=_sampling(b, max_tokens, logprobs is not None),
+        max_tokens=max_tokens,
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+def _content(index: int, role: str, v: object) -> str:
+    where = f"messages[{index}].content"
+    if v is None:
+        if role == "assistant":  # an assistant turn that only called tools
+            return ""
+        raise bad_request(f"Missing required parameter: '{where}'.", where, "missing")
+    if isinstance(v, str):
+        return v
+    if not isinstance(v, list):
+        raise _wrong_type(where, "a string or an array of content parts", v)
+    texts = []
+    for j, part in enumerate(v):
+        if not isinstance(part, dict):
+            raise _wrong_type(f"{where}[{j}]", "an object", part)
+        kind = part.get("type")
+        if kind != "text":
+            raise bad_request(
+                f"{where}[{j}].type={kind!r} is not supported: only 'text' parts are.",
+                f"{where}[{j}].type",
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise _wrong_type(f"{where}[{j}].text", "a string", text)
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _messages(body: _Body) -> tuple[ChatMessage, ...]:
+    v = body.get("messages")
+    if v is None:
+        raise bad_request("Missing required parameter: 'messages'.", "messages", "missing")
+    if not isinstance(v, list):
+        raise _wrong_type("messages", "an array", v)
+    if not v:
+        raise bad_request("'messages' must contain at least one message.", "messages")
+    out = []
+    for i, m in enumerate(v):
+        if not isinstance(m, dict):
+            raise _wrong_type(f"messages[{i}]", "an object", m)
+        role = m.get("role")
+        if role is None:
+            raise bad_request(
+                f"Missing required parameter: 'messages[{i}].role'.", f"messages[{i}].role"
+            )
+        if not isinstance(role, str):
+            raise _wrong_type(f"messages[{i}].role", "a string", role)
+        if role not in CHAT_ROLES:
+            raise bad_request(
+                f"messages[{i}].role={role!r} is invalid: must be one of {sorted(CHAT_ROLES)}.",
+                f"messages[{i}].role",
+            )
+        content = _content(i, role, m.get("content"))
+        out.append(ChatMessage("system" if role == "developer" else role, content))
+    return tuple(out)
+
+
+def parse_chat(body: object, models: Collection[str]) -> ChatRequest:
+    """Validate a ``/v1/chat/completions`` body. Raises ``ApiError`` (404: unknown model)."""
+    b = _Body(body)
+    model = _model(b, models)
+    messages = _messages(b)
+    _reject_unsupported(b)
+    tools = b.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _wrong_type("tools", "an array", tools)
+        if tools:
+            raise bad_request("Tool calling is not supported.", "tools")
+    fmt = b.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict):
+            raise _wrong_type("response_format", "an object", fmt)
+        if fmt.get("type") != "text":
+            raise bad_request(
+                f"response_format type {fmt.get('type')!r} is not supported (only 'text').",
+                "response_format",
+            )
+    logprobs = b.flag("logprobs")
+    top = b.integer("top_logprobs", minimum=0)
+    if top:
+        raise bad_request(
+            "'top_logprobs' > 0 is not supported; logprobs=true returns the sampled tokens' "
+            "log-probabilities.",
+            "top_logprobs",
+        )
+    stream, include_usage = _stream_options(b)
+    max_tokens = _max_tokens(b, "max_completion_tokens", "max_tokens")
+    return ChatRequest(
+        model=model,
+        messages=messages,
+        params=_sampling(b, max_tokens, logprobs),
+        max_tokens=max_tokens,
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+# -- preparing -------------------------------------------------------------------------------
+
+
+def _finish(
+    request_id: str,
+    model: ServedModel,
+    ids: tuple[int, ...],
+    params: SamplingParams,
+    prompt_param: str,
+) -> GenerateInput:
+    try:
+        model.check_request(params, len(ids))
+    except InvalidRequestError as exc:
+        raise from_engine_error(exc, prompt_param) from None
+    return GenerateInput(request_id, ids, params, model.name)
+
+
+def prepare_completion(
+    req: CompletionRequest, model: ServedModel, request_id: str, limits: Limits
+) -> GenerateInput:
+    """Tokenize the prompt and fix ``max_tokens``; raises ``ApiError`` when it cannot fit."""
+    try:
+        if isinstance(req.prompt, str):
+            ids = model.encode_text(req.prompt)
+        else:
+            ids = model.check_token_ids(req.prompt)
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), "prompt") from None
+    max_tokens = req.max_tokens if req.max_tokens is not None else limits.default_max_tokens
+    params = dataclasses.replace(req.params, max_tokens=max_tokens)
+    return _finish(request_id, model, ids, params, "prompt")
+
+
+def prepare_chat(
+    req: ChatRequest, model: ServedModel, request_id: str, limits: Limits
+) -> GenerateInput:
+    """Apply the chat template, tokenize, and fix ``max_tokens`` (default: the rest of the
+    context, at most ``limits.default_chat_max_tokens``). Raises ``ApiError``."""
+    try:
+        ids = model.encode_chat([{"role": m.role, "content": m.content} for m in req.messages])
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), "messages") from None
+    max_tokens = req.max_tokens
+    if max_tokens is None:
+        max_tokens = max(1, min(limits.default_chat_max_tokens, model.max_model_len - len(ids)))
+    params = dataclasses.replace(req.params, max_tokens=max_tokens)
+    return _finish(request_id, model, ids, params, "messages")
+
+
+def lookup(models: Mapping[str, ServedModel], name: str) -> ServedModel:
+    """The served model called ``name``; ``ApiError`` 404 if there is none."""
+    try:
+        return models[name]
+    except KeyError:
+        raise model_not_found(name) from None

@@ -1,0 +1,167 @@
+"""OpenAI API responses: completion objects, stream chunks, usage and logprobs, SSE framing.
+
+Pure builders of JSON-ready dicts in OpenAI's shapes: ``text_completion`` (completions, for
+whole responses and stream chunks alike), ``chat.completion`` and ``chat.completion.chunk``.
+A stream is ``sse(chunk)`` frames ending with ``SSE_DONE``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from engine.tokenizer import Tokenizer
+
+SSE_DONE = b"data: [DONE]\n\n"
+_MIN_LOGPROB = -9999.0  # JSON has no -Infinity; OpenAI clients expect a finite float
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    """One server-sent event carrying ``obj`` as compact JSON."""
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+def dumps(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+def _clamp(lp: float) -> float:
+    return lp if lp >= _MIN_LOGPROB else _MIN_LOGPROB
+
+
+def completion_logprobs(
+    tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[float], text_offset: int
+) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object for these tokens; offsets start at
+    ``text_offset`` (the length of the text returned before them)."""
+    tokens = [_token_text(tokenizer, t) for t in token_ids]
+    offsets = []
+    for tok in tokens:
+        offsets.append(text_offset)
+        text_offset += len(tok)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_clamp(lp) for lp in logprobs],
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(
+    tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[float]
+) -> dict[str, Any]:
+    """The chat ``logprobs`` object: one entry per token, no top alternatives."""
+    content = []
+    for t, lp in zip(token_ids, logprobs, strict=True):
+        raw = tokenizer.token_bytes(t)
+        content.append(
+            {
+                "token": raw.decode("utf-8", errors="replace"),
+                "logprob": _clamp(lp),
+                "bytes": list(raw),
+                "top_logprobs": [],
+            }
+        )
+    return {"content": content}
+
+
+def completion(
+    id: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
+    usage: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A ``text_completion`` object: a whole response (with usage) or one stream chunk."""
+    obj: dict[str, Any] = {
+        "id": id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        ],
+    }
+    if usage is not None:
+        obj["usage"] = usage
+    return obj
+
+
+def chat_completion(
+    id: str,
+    created: int,
+    model: str,
+    content: str,
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None,
+    usage: dict[str, Any],
+) -> dict[str, Any]:
+    """A whole ``chat.completion`` response."""
+    return {
+        "id": id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": content},
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
+        ],
+        "usage": usage,
+    }
+
+
+def chat_chunk(
+    id: str,
+    created: int,
+    model: str,
+    delta: dict[str, Any],
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One ``chat.completion.chunk``; ``delta`` is {"role": ...} and/or {"content": ...}."""
+    return {
+        "id": id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [
+            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        ],
+    }
+
+
+def usage_chunk(id: str, created: int, model: str, obj: str, usage: dict[str, Any]) -> dict:
+    """The extra last chunk ``stream_options.include_usage`` asks for: no choices, usage."""
+    return {
+        "id": id,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage,
+    }
+
+
+def stream_error(message: str, code: str = "internal_error") -> dict[str, Any]:
+    """What a stream sends when generation fails after the response started."""
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": code}}

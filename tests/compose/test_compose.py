@@ -1,0 +1,646 @@
+"""compose/ held against the code, without a Docker engine.
+
+``check_compose`` parses every service's command with that service's own argument parser
+(the scheduler's ``load_config``, the gateway's ``GatewayConfig.from_sources``, the workers'
+``build_parser``) and cross-checks what the services are told about each other: scheduler
+and Redis addresses, ports, healthcheck ports, KV transports, replicas, drain times.
+``check_dockerfile`` holds the image's install step to ``scripts/setup.sh``, the README's
+install. Both return a list of problems; the mutation tests show each check can fail. The
+probe tests run the real healthcheck commands and the advertise-host wrapper.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import http.server
+import io
+import json
+import re
+import shlex
+import subprocess
+import sys
+import threading
+import tomllib
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services.decode.__main__ import build_parser as decode_parser
+from services.gateway.config import GatewayConfig
+from services.prefill.__main__ import build_parser as prefill_parser
+from services.scheduler.config import load_config as scheduler_config
+from services.scheduler.policy import HOST_LOCAL_TRANSPORTS
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_DIR = ROOT / "compose"
+COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
+DOCKERFILE = COMPOSE_DIR / "Dockerfile"
+
+ALL_INTERFACES = ("0.0.0.0", "::", "[::]")
+# The worker entrypoint: appends the container's own hostname as the advertised address.
+ADVERTISE_ENTRYPOINT = [
+    "/bin/sh",
+    "-c",
+    'exec "$@" --advertise-host "$HOSTNAME"',
+    "advertise-hostname",
+]
+CONTAINER_HOSTNAME = "0123456789ab"  # what Docker puts in HOSTNAME: the short container id
+SETUP = "bash scripts/setup.sh"
+INSTALL_TOOLS = re.compile(r"\b(pip|pip3|apt-get|apt|conda|uv|poetry)\b")
+
+PARSERS: dict[str, Callable[[list[str]], Any]] = {
+    "services.scheduler": lambda argv: scheduler_config(argv, environ={}),
+    "services.gateway": lambda argv: GatewayConfig.from_sources(argv, environ={}),
+    "services.prefill": lambda argv: prefill_parser().parse_args(argv),
+    "services.decode": lambda argv: decode_parser().parse_args(argv),
+}
+WORKERS = ("services.prefill", "services.decode")
+
+
+class Problem(Exception):
+    """One way the compose file disagrees with the code."""
+
+
+# --- reading compose values ----------------------------------------------------------------
+
+
+def unescape(text: str) -> str:
+    """Compose's interpolation of one string: ``$$`` is a literal ``$``.
+
+    Any other ``$`` would substitute the host's environment at ``docker compose up`` time,
+    which would make the commands checked here differ from the ones that run: refused.
+    """
+    if re.search(r"\$(?!\$)", text.replace("$$", "")):
+        raise Problem(f"host-environment interpolation in {text!r}")
+    return text.replace("$$", "$")
+
+
+def as_argv(value: Any, where: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+        raise Problem(f"{where} must be a list of strings (exec form), got {value!r}")
+    return [unescape(a) for a in value]
+
+
+def effective_argv(name: str, svc: dict[str, Any]) -> list[str]:
+    """The argv the container's process gets: the command, through the entrypoint if any."""
+    argv = as_argv(svc.get("command"), f"{name}.command")
+    if "entrypoint" not in svc:
+        return argv
+    entry = as_argv(svc["entrypoint"], f"{name}.entrypoint")
+    if entry != ADVERTISE_ENTRYPOINT:
+        raise Problem(f"{name}: unknown entrypoint {entry!r}")
+    # test_advertise_entrypoint_appends_the_hostname runs the real wrapper to show this.
+    return [*argv, "--advertise-host", CONTAINER_HOSTNAME]
+
+
+def parse_service(name: str, argv: list[str]) -> tuple[str, Any]:
+    """``python -m <module> flags...`` parsed by that module's own parser."""
+    if argv[:2] != ["python", "-m"] or len(argv) < 3 or argv[2] not in PARSERS:
+        raise Problem(f"{name}: command must be `python -m <one of {sorted(PARSERS)}>`: {argv}")
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return argv[2], PARSERS[argv[2]](argv[3:])
+    except SystemExit as e:
+        raise Problem(f"{name}: {argv[2]} rejects its flags: {err.getvalue().strip()}") from e
+
+
+def env_names(svc: dict[str, Any]) -> list[str]:
+    env = svc.get("environment") or {}
+    if isinstance(env, dict):
+        return list(env)
+    return [str(item).split("=", 1)[0] for item in env]
+
+
+def healthcheck_argv(name: str, svc: dict[str, Any]) -> list[str]:
+    test = (svc.get("healthcheck") or {}).get("test")
+    if not isinstance(test, list) or not test or test[0] != "CMD":
+        raise Problem(f"{name}: healthcheck.test must be an exec-form [CMD, ...] list")
+    return [unescape(a) for a in test[1:]]
+
+
+def healthcheck_port(name: str, svc: dict[str, Any]) -> int:
+    ports = {
+        int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", " ".join(healthcheck_argv(name, svc)))
+    }
+    if len(ports) != 1:
+        raise Problem(f"{name}: healthcheck must probe exactly one 127.0.0.1 port, got {ports}")
+    return ports.pop()
+
+
+def published_ports(name: str, svc: dict[str, Any]) -> dict[int, int]:
+    """Container port → host port."""
+    out: dict[int, int] = {}
+    for p in svc.get("ports") or []:
+        if isinstance(p, dict):
+            host, container = p.get("published"), p.get("target")
+        else:
+            parts = str(p).split("/")[0].split(":")
+            if len(parts) < 2:
+                raise Problem(f"{name}: port {p!r} leaves the host port to chance")
+            host, container = parts[-2], parts[-1]
+        out[int(container)] = int(host)
+    return out
+
+
+def seconds(duration: Any) -> float:
+    """A compose duration (``40s``, ``1m30s``) in seconds."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
+    text = str(duration)
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|us|h|m|s)", text)
+    if not parts or "".join(a + b for a, b in parts) != text:
+        raise Problem(f"not a duration: {duration!r}")
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def depends_on_healthy(svc: dict[str, Any], other: str) -> bool:
+    deps = svc.get("depends_on") or {}
+    return isinstance(deps, dict) and (deps.get(other) or {}).get("condition") == "service_healthy"
+
+
+# --- the checks ----------------------------------------------------------------------------
+
+
+def check_compose(compose: dict[str, Any]) -> list[str]:
+    """Every way ``compose`` disagrees with the services' code; empty when it agrees."""
+    problems: list[str] = []
+    services: dict[str, dict[str, Any]] = compose.get("services") or {}
+    parsed: dict[str, tuple[str, Any]] = {}  # module -> (service name, parsed flags)
+    pdserve_images = set()
+
+    redis = [n for n, s in services.items() if str(s.get("image", "")).startswith("redis:")]
+    if len(redis) != 1:
+        problems.append(f"need exactly one redis service, got {redis}")
+
+    for name, svc in services.items():
+        if name in redis:
+            continue
+        try:
+            module, cfg = parse_service(name, effective_argv(name, svc))
+        except Problem as e:
+            problems.append(str(e))
+            continue
+        if module in parsed:
+            problems.append(f"{module} runs in both {parsed[module][0]} and {name}")
+        parsed[module] = (name, cfg)
+        build = svc.get("build") or {}
+        context = (COMPOSE_DIR / str(build.get("context", "?"))).resolve()
+        if context != ROOT or context / str(build.get("dockerfile", "Dockerfile")) != DOCKERFILE:
+            problems.append(f"{name}: must build compose/Dockerfile with the repository root")
+        pdserve_images.add(svc.get("image"))
+        if pdserve := [v for v in env_names(svc) if v.startswith("PDSERVE_")]:
+            problems.append(f"{name}: PDSERVE_ environment {pdserve} hides flags from the command")
+        if "container_name" in svc or "hostname" in svc:
+            problems.append(f"{name}: a fixed container_name/hostname breaks replicas")
+    if len(pdserve_images) != 1:
+        problems.append(f"the pdserve services must share one image, got {pdserve_images}")
+    if missing := sorted(set(PARSERS) - set(parsed)):
+        problems.append(f"no service runs {missing}")
+        return problems
+
+    redis_name = redis[0] if len(redis) == 1 else "redis"
+    sched_name, sched = parsed["services.scheduler"]
+    problems += _check_scheduler(services, sched_name, sched, redis_name)
+    sched_addr = f"{sched_name}:{sched.grpc_port}"
+    for module in WORKERS:
+        name, args = parsed[module]
+        problems += _check_worker(name, services[name], args, sched_name, sched_addr, sched)
+    problems += _check_transports(parsed["services.prefill"], parsed["services.decode"])
+    problems += _check_gateway(services, parsed, sched_addr)
+    models = {m: cfg.model for m, (_, cfg) in parsed.items() if m != "services.scheduler"}
+    if len(set(models.values())) != 1:
+        problems.append(f"services load different models: {models}")
+    return problems
+
+
+def _check_scheduler(
+    services: dict[str, dict[str, Any]], name: str, sched: Any, redis_name: str
+) -> list[str]:
+    problems = []
+    redis_argv = services.get(redis_name, {}).get("command") or []
+    redis_port = 6379  # the redis image's default, unless its command says otherwise
+    if "--port" in redis_argv:
+        redis_port = int(redis_argv[redis_argv.index("--port") + 1])
+    if sched.grpc_host not in ALL_INTERFACES:
+        problems.append(f"{name}: binds {sched.grpc_host}; other containers cannot reach it")
+    url = urlparse(sched.redis_url)
+    if (url.scheme, url.hostname, url.port or 6379) != ("redis", redis_name, redis_port):
+        problems.append(f"{name}: --redis-url {sched.redis_url} is not {redis_name}:{redis_port}")
+    if not depends_on_healthy(services[name], redis_name):
+        problems.append(f"{name} must wait for {redis_name} to be healthy")
+    return problems + _port_checks(name, services[name], sched.grpc_port, drain=None)
+
+
+def _check_worker(
+    name: str, svc: dict[str, Any], args: Any, sched_name: str, sched_addr: str, sched: Any
+) -> list[str]:
+    problems = []
+    if args.host not in ALL_INTERFACES:
+        problems.append(f"{name}: binds {args.host}; other containers cannot reach it")
+    if args.advertise_host in (None, *ALL_INTERFACES):
+        problems.append(f"{name}: no --advertise-host; it would register 127.0.0.1")
+    if args.worker_id is not None:
+        problems.append(f"{name}: --worker-id {args.worker_id} is shared by every replica")
+    if args.scheduler != sched_addr:
+        problems.append(f"{name}: --scheduler {args.scheduler} is not {sched_addr}")
+    if not args.heartbeat_interval < sched.heartbeat_ttl_s:
+        problems.append(
+            f"{name}: heartbeats every {args.heartbeat_interval}s, lease is "
+            f"{sched.heartbeat_ttl_s}s"
+        )
+    replicas = (svc.get("deploy") or {}).get("replicas")
+    if not isinstance(replicas, int) or replicas < 1:
+        problems.append(f"{name}: needs deploy.replicas (an int >= 1), got {replicas!r}")
+    if svc.get("ports"):
+        problems.append(f"{name}: published ports collide when it is scaled")
+    if not depends_on_healthy(svc, sched_name):
+        problems.append(f"{name} must wait for {sched_name} to be healthy")
+    return problems + _port_checks(name, svc, args.port, drain=args.drain_timeout)
+
+
+def _check_transports(prefill: tuple[str, Any], decode: tuple[str, Any]) -> list[str]:
+    """The KV path between containers: no host-local transport, and one both sides share."""
+    (pname, p), (dname, d) = prefill, decode
+    problems = []
+    can_write = [t.strip() for t in p.transports.split(",") if t.strip()]
+    if host_local := [t for t in can_write if t in HOST_LOCAL_TRANSPORTS]:
+        problems.append(f"{pname}: --transports {host_local} do not work across containers")
+    if d.role != "decode":
+        problems.append(f"{dname}: --role {d.role}; the stack needs decode workers")
+    if d.transport in HOST_LOCAL_TRANSPORTS:
+        problems.append(f"{dname}: --transport {d.transport} does not work across containers")
+    if d.transport not in can_write:
+        problems.append(f"{pname} cannot write KV over {dname}'s {d.transport}")
+    return problems
+
+
+def _check_gateway(
+    services: dict[str, dict[str, Any]], parsed: dict[str, tuple[str, Any]], sched_addr: str
+) -> list[str]:
+    problems = []
+    name, gw = parsed["services.gateway"]
+    svc = services[name]
+    if gw.backend != "cluster":
+        problems.append(f"{name}: --backend {gw.backend}; the stack needs the cluster backend")
+    if gw.scheduler != sched_addr:
+        problems.append(f"{name}: --scheduler {gw.scheduler} is not {sched_addr}")
+    if gw.host not in ALL_INTERFACES:
+        problems.append(f"{name}: binds {gw.host}; published ports would not reach it")
+    try:
+        published = published_ports(name, svc)
+        want = {gw.http_port: gw.http_port, gw.grpc_port: gw.grpc_port}
+        if published != want:
+            problems.append(f"{name}: publishes {published} (container: host), flags say {want}")
+    except Problem as e:
+        problems.append(str(e))
+    for module in ("services.scheduler", *WORKERS):
+        dep = parsed[module][0]
+        if not depends_on_healthy(svc, dep):
+            problems.append(f"{name} must wait for {dep} to be healthy")
+    return problems + _port_checks(name, svc, gw.http_port, drain=gw.drain_timeout_s)
+
+
+def _port_checks(name: str, svc: dict[str, Any], port: int, drain: float | None) -> list[str]:
+    problems = []
+    try:
+        probed = healthcheck_port(name, svc)
+        if probed != port:
+            problems.append(
+                f"{name}: healthcheck probes port {probed}, the service listens on {port}"
+            )
+    except Problem as e:
+        problems.append(str(e))
+    if drain is not None:
+        try:
+            grace = seconds(svc.get("stop_grace_period", "10s"))
+            if not grace > drain:
+                problems.append(f"{name}: stop_grace_period {grace}s cuts its {drain}s drain short")
+        except Problem as e:
+            problems.append(f"{name}: stop_grace_period: {e}")
+    return problems
+
+
+def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line, pending = pending + line, ""
+        op, _, rest = line.partition(" ")
+        out.append((op.upper(), rest.strip()))
+    return out
+
+
+def check_dockerfile(text: str) -> list[str]:
+    """Every way the Dockerfile's install departs from ``scripts/setup.sh``; empty if none."""
+    problems: list[str] = []
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    steps = dockerfile_instructions(text)
+
+    bases = [args for op, args in steps if op == "FROM"]
+    minimum = re.search(r">=\s*(\d+)\.(\d+)", pyproject["project"]["requires-python"])
+    base = re.fullmatch(r"python:(\d+)\.(\d+)(-slim)?", bases[0] if len(bases) == 1 else "")
+    if not base or not minimum or base.groups()[:2] != minimum.groups():
+        problems.append(f"base image must be python:<requires-python>[-slim], got {bases}")
+
+    runs = [(i, re.sub(r"--\w+=\S+\s*", "", args)) for i, (op, args) in enumerate(steps)
+            if op == "RUN"]  # fmt: skip
+    setup = [i for i, cmd in runs if cmd == SETUP]
+    if len(setup) != 1:
+        problems.append(f"the install step must be exactly `RUN {SETUP}` once: {runs}")
+    for _, cmd in runs:
+        if cmd != SETUP and INSTALL_TOOLS.search(cmd):
+            problems.append(f"install step of its own, not scripts/setup.sh: RUN {cmd}")
+
+    # setup.sh runs `pip install -e .` from the repository root: everything that needs must
+    # land at its own path under WORKDIR before it runs.
+    landed: set[str] = set()
+    for op, args in steps[: setup[0]] if setup else steps:
+        if op not in ("COPY", "ADD"):
+            continue
+        words = [w for w in shlex.split(args) if not w.startswith("--")]
+        *sources, dest = words
+        for src in sources:
+            src_path = src.rstrip("/") or "."
+            if (ROOT / src_path).is_dir():
+                landing = dest.rstrip("/") or "."
+            elif dest.endswith("/") or dest in (".", "./") or len(sources) > 1:
+                landing = f"{dest.rstrip('/')}/{Path(src_path).name}".removeprefix("./")
+            else:
+                landing = dest
+            landing = landing.removeprefix("./") or "."
+            if landing == src_path:
+                landed.add(src_path)
+            else:
+                problems.append(f"COPY {src} lands at {landing}, not at its repository path")
+    needed = ["scripts/setup.sh", "pyproject.toml", pyproject["project"]["readme"]]
+    for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]:
+        top = pattern.rstrip("*")
+        if (ROOT / top / "__init__.py").is_file():
+            needed.append(top)
+    for path in needed:
+        if not any(c == "." or path == c or path.startswith(c + "/") for c in landed):
+            problems.append(f"{path} is not copied into the image before {SETUP}")
+    return problems
+
+
+# --- the real files ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+def test_compose_agrees_with_the_code(compose: dict[str, Any]) -> None:
+    assert check_compose(compose) == []
+
+
+def test_compose_parses_into_the_expected_stack(compose: dict[str, Any]) -> None:
+    """Spot values, so a checker that accepts anything cannot pass the test above alone."""
+    svc = compose["services"]
+    _, sched = parse_service("scheduler", effective_argv("scheduler", svc["scheduler"]))
+    assert (sched.grpc_port, sched.redis_url) == (50050, "redis://redis:6379/0")
+    _, decode = parse_service("decode", effective_argv("decode", svc["decode"]))
+    assert (decode.transport, decode.advertise_host) == ("tcp", CONTAINER_HOSTNAME)
+    assert decode.scheduler == "scheduler:50050"
+    _, gw = parse_service("gateway", effective_argv("gateway", svc["gateway"]))
+    assert (gw.http_port, gw.grpc_port, gw.backend) == (8000, 50051, "cluster")
+    assert svc["prefill"]["deploy"]["replicas"] == 1 and svc["decode"]["deploy"]["replicas"] == 1
+
+
+def test_dockerfile_installs_with_setup_sh() -> None:
+    assert check_dockerfile(DOCKERFILE.read_text()) == []
+    # setup.sh is the README's install: both README commands go through it.
+    for script in ("run.sh", "test.sh"):
+        assert SETUP in (ROOT / "scripts" / script).read_text()
+
+
+def test_readme_scale_command_names_real_services(compose: dict[str, Any]) -> None:
+    readme = (COMPOSE_DIR / "README.md").read_text()
+    assert "--scale decode=2 --scale prefill=2" in readme
+    scaled = re.findall(r"--scale (\w+)=\d+", readme)
+    assert scaled and set(scaled) <= {
+        n for n, s in compose["services"].items() if "replicas" in (s.get("deploy") or {})
+    }
+
+
+# --- each check can fail -------------------------------------------------------------------
+
+
+def _set_flag(svc: dict[str, Any], flag: str, value: str | None) -> None:
+    """Replace (or, with ``None``, drop) ``--flag=value`` in the command; append if absent."""
+    cmd = [a for a in svc["command"] if not a.startswith(flag + "=")]
+    svc["command"] = cmd if value is None else [*cmd, f"{flag}={value}"]
+
+
+def _m(service: str, flag: str, value: str | None) -> Callable[[dict[str, Any]], None]:
+    return lambda c: _set_flag(c["services"][service], flag, value)
+
+
+def _put(service: str, key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(c: dict[str, Any]) -> None:
+        if value is None:
+            c["services"][service].pop(key, None)
+        else:
+            c["services"][service][key] = value
+
+    return mutate
+
+
+def _health_port(service: str, port: int) -> Callable[[dict[str, Any]], None]:
+    def mutate(c: dict[str, Any]) -> None:
+        test = c["services"][service]["healthcheck"]["test"]
+        c["services"][service]["healthcheck"]["test"] = [
+            re.sub(r"127\.0\.0\.1:\d+", f"127.0.0.1:{port}", a) for a in test
+        ]
+
+    return mutate
+
+
+MUTATIONS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "gateway dials the wrong scheduler port": (
+        _m("gateway", "--scheduler", "scheduler:50051"), "gateway: --scheduler scheduler:50051"),
+    "a worker dials the wrong scheduler host": (
+        _m("prefill", "--scheduler", "sched:50050"), "prefill: --scheduler sched:50050"),
+    "scheduler moves, nobody follows": (
+        _m("scheduler", "--grpc-port", "50052"), "decode: --scheduler scheduler:50050 is not"),
+    "redis on the wrong host": (
+        _m("scheduler", "--redis-url", "redis://localhost:6379/0"), "--redis-url"),
+    "redis on the wrong port": (
+        _m("scheduler", "--redis-url", "redis://redis:6380/0"), "is not redis:6379"),
+    "scheduler binds loopback": (_m("scheduler", "--grpc-host", "127.0.0.1"), "binds 127.0.0.1"),
+    "redis listens elsewhere": (
+        _put("redis", "command", ["redis-server", "--port", "6380"]), "is not redis:6380"),
+    "scheduler before redis": (_put("scheduler", "depends_on", None), "wait for redis"),
+    "two schedulers": (
+        lambda c: c["services"].update(s2=copy.deepcopy(c["services"]["scheduler"])),
+        "runs in both"),
+    "gateway binds loopback": (_m("gateway", "--host", "127.0.0.1"), "gateway: binds"),
+    "gateway before decode": (
+        lambda c: c["services"]["gateway"]["depends_on"].pop("decode"), "wait for decode"),
+    "bad grace period": (_put("prefill", "stop_grace_period", "forty"), "not a duration"),
+    "decode over shm": (_m("decode", "--transport", "shm"), "does not work across containers"),
+    "prefill offers shm": (_m("prefill", "--transports", "shm,tcp"), "across containers"),
+    "prefill cannot write tcp": (_m("prefill", "--transports", None), "across containers"),
+    "colocated role": (_m("decode", "--role", "colocated"), "--role colocated"),
+    "unknown flag": (_m("prefill", "--bogus", "1"), "prefill: services.prefill rejects"),
+    "bad flag value": (_m("decode", "--port", "many"), "decode: services.decode rejects"),
+    "fixed worker id": (_m("decode", "--worker-id", "decode-0"), "shared by every replica"),
+    "worker binds loopback": (_m("decode", "--host", "127.0.0.1"), "decode: binds 127.0.0.1"),
+    "no advertise wrapper": (_put("prefill", "entrypoint", None), "no --advertise-host"),
+    "other entrypoint": (_put("decode", "entrypoint", ["python"]), "unknown entrypoint"),
+    "slow heartbeats": (_m("decode", "--heartbeat-interval", "5"), "lease is 3.0s"),
+    "gateway local backend": (_m("gateway", "--backend", "local"), "--backend local"),
+    "gateway port not published": (
+        _m("gateway", "--http-port", "8080"), "gateway: publishes"),
+    "gateway published port remapped": (
+        _put("gateway", "ports", ["8001:8000", "50051:50051"]), "gateway: publishes"),
+    "gateway random host port": (_put("gateway", "ports", ["8000", "50051"]), "to chance"),
+    "worker publishes ports": (_put("decode", "ports", ["50071:50071"]), "collide"),
+    "no replicas": (_put("decode", "deploy", None), "decode: needs deploy.replicas"),
+    "zero replicas": (_put("prefill", "deploy", {"replicas": 0}), "prefill: needs deploy"),
+    "healthcheck port": (_health_port("decode", 50061), "healthcheck probes port 50061"),
+    "gateway healthcheck port": (_health_port("gateway", 50051), "probes port 50051"),
+    "grace shorter than drain": (_put("decode", "stop_grace_period", "10s"), "drain short"),
+    "env overrides a flag": (
+        _put("decode", "environment", {"PDSERVE_DECODE_TRANSPORT": "shm"}), "PDSERVE_"),
+    "host interpolation": (_m("scheduler", "--redis-url", "${REDIS_URL}"), "interpolation"),
+    "shell-form command": (_put("gateway", "command", "python -m services.gateway"), "exec"),
+    "fixed hostname": (_put("decode", "hostname", "decode"), "breaks replicas"),
+    "no start order": (_put("decode", "depends_on", None), "decode must wait for scheduler"),
+    "different models": (_m("decode", "--model", "/models/other.gguf"), "different models"),
+    "second image": (_put("gateway", "image", "pdserve:other"), "share one image"),
+    "other dockerfile": (
+        _put("gateway", "build", {"context": "..", "dockerfile": "Dockerfile"}), "gateway: must"),
+    "missing service": (lambda c: c["services"].pop("prefill"), "no service runs"),
+    "two redis": (lambda c: c["services"].update(cache={"image": "redis:7"}), "exactly one"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_check_compose_catches(compose: dict[str, Any], name: str) -> None:
+    mutate, expected = MUTATIONS[name]
+    broken = copy.deepcopy(compose)
+    mutate(broken)
+    problems = check_compose(broken)
+    assert any(expected in p for p in problems), problems
+
+
+DOCKERFILE_MUTATIONS: dict[str, tuple[Callable[[str], str], str]] = {
+    "own pip lines": (
+        lambda t: t.replace(SETUP, "pip install torch==2.13.0 && pip install -e ."),
+        "exactly `RUN bash scripts/setup.sh`"),
+    "extra pip step": (lambda t: t + "\nRUN pip install vllm\n", "install step of its own"),
+    "extra apt step": (
+        lambda t: t + "\nRUN apt-get update && \\\n    apt-get install -y g++\n", "apt-get"),
+    "test extras": (lambda t: t.replace(SETUP, SETUP + " --test"), "exactly"),
+    "package not copied": (lambda t: t.replace("COPY kernels/ kernels/\n", ""), "kernels is not"),
+    "setup.sh not copied": (lambda t: t.replace("COPY scripts/ scripts/\n", ""), "scripts/setup"),
+    "readme not copied": (lambda t: t.replace("README.md ./", "./"), "README.md is not"),
+    "copied to the wrong place": (
+        lambda t: t.replace("COPY engine/ engine/", "COPY engine/ ./"), "lands at ."),
+    "copied after setup": (
+        lambda t: t.replace("COPY services/ services/\n", "") + "\nCOPY services/ services/\n",
+        "services is not copied"),
+    "other python": (lambda t: t.replace("python:3.11-slim", "python:3.10-slim"), "base image"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(DOCKERFILE_MUTATIONS))
+def test_check_dockerfile_catches(name: str) -> None:
+    mutate, expected = DOCKERFILE_MUTATIONS[name]
+    text = DOCKERFILE.read_text()
+    broken = mutate(text)
+    assert broken != text, "the mutation no longer applies to compose/Dockerfile"
+    problems = check_dockerfile(broken)
+    assert any(expected in p for p in problems), problems
+
+
+# --- the commands the containers run, run for real -----------------------------------------
+
+
+def test_advertise_entrypoint_appends_the_hostname(compose: dict[str, Any]) -> None:
+    """The wrapper appends ``--advertise-host $HOSTNAME`` and execs (the service is PID 1)."""
+    for name in ("prefill", "decode"):
+        entry = as_argv(compose["services"][name]["entrypoint"], name)
+        show = "import json, os, sys; print(json.dumps([os.getpid(), sys.argv[1:]]))"
+        proc = subprocess.Popen(
+            [*entry, sys.executable, "-c", show, "--port=1"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={"HOSTNAME": CONTAINER_HOSTNAME, "PATH": "/usr/bin:/bin"},
+        )
+        out, _ = proc.communicate(timeout=30)
+        pid, argv = json.loads(out)
+        assert argv == ["--port=1", "--advertise-host", CONTAINER_HOSTNAME]
+        assert pid == proc.pid, "the wrapper must exec the service, not run it as a child"
+
+
+@contextlib.contextmanager
+def _grpc_health_server() -> Iterator[tuple[int, health.HealthServicer]]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield port, servicer
+    finally:
+        server.stop(None)
+
+
+def _run_probe(argv: list[str], port: int) -> int:
+    argv = [re.sub(r"127\.0\.0\.1:\d+", f"127.0.0.1:{port}", a) for a in argv]
+    assert argv[0] == "python", argv
+    return subprocess.run([sys.executable, *argv[1:]], capture_output=True, timeout=60).returncode
+
+
+@pytest.mark.parametrize("name", ["scheduler", "prefill", "decode"])
+def test_grpc_healthcheck_follows_serving_status(compose: dict[str, Any], name: str) -> None:
+    probe = healthcheck_argv(name, compose["services"][name])
+    with _grpc_health_server() as (port, servicer):
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert _run_probe(probe, port) == 0
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert _run_probe(probe, port) != 0
+    assert _run_probe(probe, port) != 0  # nobody listening
+
+
+def test_gateway_healthcheck_follows_http_health(compose: dict[str, Any]) -> None:
+    status = {"code": 200}
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(status["code"] if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        probe = healthcheck_argv("gateway", compose["services"]["gateway"])
+        port = server.server_address[1]
+        assert _run_probe(probe, port) == 0
+        status["code"] = 503
+        assert _run_probe(probe, port) != 0
+    finally:
+        server.shutdown()
+        server.server_close()

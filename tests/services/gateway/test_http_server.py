@@ -1,0 +1,331 @@
+"""The OpenAI-compatible HTTP edge over the real model, driven by the official client.
+
+Greedy output equals the engine's own; streams end with ``data: [DONE]``; usage is right;
+bad input gets OpenAI's error JSON with the right 4xx and the server keeps serving; a client
+that disconnects frees every KV block within a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import aiohttp
+import openai
+import pytest
+import pytest_asyncio
+from openai import AsyncOpenAI
+
+from engine.sampling_params import SamplingParams
+from services.gateway.http_server import HttpServer, create_app
+from services.gateway.service import GatewayService
+from tests.services.gateway.harness import MAX_BODY, MAX_MODEL_LEN, MODEL, running_gateway
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+GREEDY = {"temperature": 0}
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def gw(make_engine):
+    async with running_gateway(make_engine, grpc=False) as g:
+        yield g
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def http():
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def client(gw):
+    c = AsyncOpenAI(base_url=gw.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    yield c
+    await c.close()
+
+
+def _sse_events(raw: bytes) -> list[str]:
+    text = raw.decode("utf-8")
+    assert text.endswith("data: [DONE]\n\n"), text[-200:]
+    frames = text.split("\n\n")
+    assert frames[-1] == ""
+    for f in frames[:-1]:
+        assert f.startswith("data: "), f
+    return [f.removeprefix("data: ") for f in frames[:-1]]
+
+
+# -- the official client ---------------------------------------------------------------------
+
+
+async def test_streaming_chat_equals_engine(gw, client, default_tokenizer) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,
+    )
+    chunks = [c async for c in stream]
+    tok = default_tokenizer
+    ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    ref_ids, ref_text = await gw.reference(ids, SamplingParams(max_tokens=12, temperature=0))
+
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert {c.id for c in chunks} == {chunks[0].id} and chunks[0].id.startswith("chatcmpl-")
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
+    assert {c.model for c in chunks} == {MODEL}
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref_text and text
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == ("length" if len(ref_ids) == 12 else "stop")
+    assert all(r is None for r in reasons[:-1])
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == []
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(ids), len(ref_ids))
+    assert usage.total_tokens == len(ids) + len(ref_ids)
+
+
+async def test_completion_equals_engine(gw, client, default_tokenizer) -> None:
+    prompt = "The capital of France is"
+    resp = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, **GREEDY)
+    ids = default_tokenizer.encode(prompt)
+    ref_ids, ref_text = await gw.reference(ids, SamplingParams(max_tokens=8, temperature=0))
+    assert resp.object == "text_completion" and resp.id.startswith("cmpl-")
+    assert resp.model == MODEL
+    assert resp.choices[0].text == ref_text
+    assert resp.choices[0].finish_reason == ("length" if len(ref_ids) == 8 else "stop")
+    assert resp.usage.prompt_tokens == len(ids)
+    assert resp.usage.completion_tokens == len(ref_ids)
+    # token-id prompts give the same completion
+    by_ids = await client.completions.create(model=MODEL, prompt=ids, max_tokens=8, **GREEDY)
+    assert by_ids.choices[0].text == ref_text
+
+
+async def test_models_endpoint(client) -> None:
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].owned_by == "pdserve"
+
+
+async def test_client_sees_openai_errors(client) -> None:
+    with pytest.raises(openai.NotFoundError) as nf:
+        await client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
+    assert nf.value.status_code == 404
+    assert nf.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], n=2
+        )
+    assert bad.value.body["param"] == "n"
+
+
+# -- raw HTTP: wire format -------------------------------------------------------------------
+
+
+async def test_sse_framing_of_a_streamed_completion(gw, http) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": "1, 2, 3,",
+        "max_tokens": 6,
+        "stream": True,
+        "logprobs": 0,
+        "ignore_eos": True,
+        **GREEDY,
+    }
+    async with http.post(gw.base_url + "/v1/completions", json=body) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        events = _sse_events(await r.read())
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert "usage" not in chunks[-1]  # include_usage was not asked for
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+    lps = [lp for c in chunks for lp in c["choices"][0]["logprobs"]["token_logprobs"]]
+    assert len(tokens) == len(lps) == 6
+    assert all(lp <= 0 for lp in lps)
+    assert "".join(tokens) == "".join(c["choices"][0]["text"] for c in chunks)
+
+
+async def test_non_streaming_chat_with_logprobs(gw, http, default_tokenizer) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Say hi"}],
+        "max_completion_tokens": 5,
+        "logprobs": True,
+        "ignore_eos": True,
+        **GREEDY,
+    }
+    async with http.post(gw.base_url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        obj = await r.json()
+    assert obj["object"] == "chat.completion"
+    assert obj["choices"][0]["message"]["role"] == "assistant"
+    content = obj["choices"][0]["logprobs"]["content"]
+    assert len(content) == obj["usage"]["completion_tokens"] == 5
+    assert "".join(c["token"] for c in content) == obj["choices"][0]["message"]["content"]
+    tok = default_tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "Say hi"}])
+    ids = tok.encode(text, add_special_tokens=False)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=True)
+    toks: list[float] = []
+    async for ev in gw.backend.engine.generate("ref-lp", ids, params):
+        toks.extend(ev.new_logprobs)
+    assert [c["logprob"] for c in content] == pytest.approx(toks, abs=1e-4)
+
+
+async def test_health_and_metrics(gw, http) -> None:
+    async with http.get(gw.base_url + "/health") as r:
+        assert r.status == 200
+    async with http.get(gw.base_url + "/metrics") as r:
+        assert r.status == 200
+        text = await r.text()
+    ttft = re.search(r"^pdserve:time_to_first_token_seconds_count\{[^}]*\} (\S+)$", text, re.M)
+    assert ttft is not None and float(ttft.group(1)) >= 3
+    for name in ("inter_token_latency_seconds_count", "e2e_request_latency_seconds_count"):
+        assert re.search(rf"^pdserve:{name}\{{", text, re.M), name
+    assert re.search(r"^pdserve:num_requests_running\{[^}]*\} 0\.0$", text, re.M)
+    ok = r'^pdserve:requests_total\{endpoint="/v1/completions",status="200"\} (\S+)$'
+    assert float(re.search(ok, text, re.M).group(1)) >= 2  # type: ignore[union-attr]
+
+
+# -- raw HTTP: bad input ---------------------------------------------------------------------
+
+
+def _body(**fields) -> bytes:
+    return json.dumps({"model": MODEL, "prompt": "Hello", **fields}).encode()
+
+
+BAD = [
+    # (path, raw body, status, param, code, message fragment)
+    ("completions", b'{"model": "x", ', 400, None, "invalid_json", "could not parse"),
+    ("completions", b'{"model": "\xff\xfe"}', 400, None, "invalid_encoding", "UTF-8"),
+    ("completions", b"x" * (MAX_BODY + 1), 413, None, "request_too_large", "limit of 65536"),
+    ("completions", _body(max_tokens="8"), 400, "max_tokens", "invalid_type", "an integer"),
+    ("completions", _body(prompt=None), 400, "prompt", "missing", "'prompt'"),
+    ("completions", _body(model="nope"), 404, "model", "model_not_found", "`nope`"),
+    ("completions", _body(prompt="hi " * 300), 400, "prompt", "context_length_exceeded", "256"),
+    ("completions", _body(max_tokens=10**6), 400, "max_tokens", None, "exceeds max_model_len"),
+    ("completions", _body(n=2), 400, "n", None, "only 1 choice"),
+    ("completions", _body(prompt="x \ud800"), 400, "prompt", None, "not valid Unicode"),
+    ("completions", _body(prompt=[1, 10**9]), 400, "prompt", None, "is not a token id"),
+    (
+        "chat/completions",
+        _body(messages=[{"role": "x", "content": "y"}]),
+        400,
+        "messages[0].role",
+        None,
+        "must be one of",
+    ),
+    ("chat/completions", _body(messages="hi"), 400, "messages", "invalid_type", "an array"),
+    ("models", b"", 405, None, "method_not_allowed", "POST"),
+    ("nowhere", b"{}", 404, None, "not_found", "/v1/nowhere"),
+]
+
+
+@pytest.mark.parametrize(("path", "data", "status", "param", "code", "needle"), BAD)
+async def test_bad_input_gets_openai_error(gw, http, path, data, status, param, code, needle):
+    url = f"{gw.base_url}/v1/{path}"
+    async with http.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+        assert r.status == status
+        assert r.headers["Content-Type"].startswith("application/json")
+        err = (await r.json())["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert (err["param"], err["code"]) == (param, code)
+    assert needle in err["message"]
+    assert err["type"] == "invalid_request_error"
+
+
+async def test_still_serving_after_bad_input(gw, http) -> None:
+    async with http.post(gw.base_url + "/v1/completions", data=b"\xff" * 100) as r:
+        assert r.status == 400
+    async with http.post(gw.base_url + "/v1/completions", data=_body(max_tokens=3, **GREEDY)) as r:
+        assert r.status == 200
+        assert (await r.json())["usage"]["completion_tokens"] >= 1
+    assert await gw.wait_blocks_free()
+
+
+# -- disconnects, overload, auth, draining ---------------------------------------------------
+
+
+async def test_client_disconnect_mid_stream_frees_blocks(gw) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": MAX_MODEL_LEN - 64,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(gw.base_url + "/v1/chat/completions", json=body)
+        assert r.status == 200
+        seen = 0
+        async for line in r.content:
+            seen += line.startswith(b"data: ")
+            if seen == 4:
+                break
+        assert not gw.all_blocks_free()
+        r.close()  # drop the connection mid-stream
+    assert await gw.wait_blocks_free(1.0)
+
+
+async def test_client_disconnect_while_waiting_for_a_whole_response(gw) -> None:
+    body = _body(max_tokens=MAX_MODEL_LEN - 16, ignore_eos=True)
+    async with aiohttp.ClientSession() as s:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(s.post(gw.base_url + "/v1/completions", data=body), 0.5)
+    assert await gw.wait_blocks_free(1.0)
+
+
+async def test_overload_gets_429(gw, http) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": "Count:",
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    gw.backend.max_active = 1
+    try:
+        async with http.post(gw.base_url + "/v1/completions", json=body) as busy:
+            await busy.content.readline()  # generating now
+            async with http.post(gw.base_url + "/v1/completions", data=_body()) as r:
+                assert r.status == 429
+                err = (await r.json())["error"]
+            assert err["code"] == "rate_limit_exceeded"
+            assert "limit of 1 concurrent" in err["message"]
+    finally:
+        gw.backend.max_active = 16
+    assert await gw.wait_blocks_free(1.0)
+
+
+async def test_api_keys_and_draining(gw, http) -> None:
+    model = gw.service.models[MODEL]
+    service = GatewayService(gw.backend, [model], api_keys=["sekret"])
+    server = HttpServer(create_app(service), "127.0.0.1", 0, drain_timeout_s=1.0)
+    base = f"http://127.0.0.1:{await server.start()}"
+    try:
+        async with http.get(base + "/v1/models") as r:
+            assert r.status == 401
+            assert (await r.json())["error"]["code"] == "invalid_api_key"
+        wrong = {"Authorization": "Bearer nope"}
+        async with http.get(base + "/v1/models", headers=wrong) as r:
+            assert r.status == 401
+        key = {"Authorization": "Bearer sekret"}
+        async with http.get(base + "/v1/models", headers=key) as r:
+            assert r.status == 200
+        async with http.get(base + "/health") as r:
+            assert r.status == 200  # probes need no key
+        service.start_draining()
+        async with http.get(base + "/health") as r:
+            assert r.status == 503
+        async with http.post(base + "/v1/completions", data=_body(), headers=key) as r:
+            assert r.status == 503
+            assert (await r.json())["error"]["code"] == "service_unavailable"
+    finally:
+        await server.stop()
