@@ -24,7 +24,11 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated", action="store_true", help="one colocated worker (baseline)")
     p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers")
     p.add_argument("--decode", type=int, default=1, metavar="N", help="decode workers")
-    p.add_argument("--transport", choices=["shm", "tcp"], default="shm", help="KV data plane")
+    p.add_argument("--transport", default="shm",
+                   help="KV data plane of the decode workers: shm or tcp, or a comma list "
+                   "given to them round-robin (e.g. shm,tcp)")  # fmt: skip
+    p.add_argument("--heartbeat-ttl", type=float, default=3.0, metavar="SECONDS",
+                   help="the scheduler drops a worker silent this long")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address every service binds")
     p.add_argument("--http-port", type=int, default=8000, help="gateway OpenAI HTTP port")
     p.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port")
@@ -62,6 +66,7 @@ def launch(args: argparse.Namespace, stack: Stack) -> dict[str, str]:
     sched = stack.start(Proc("scheduler", py(
         "services.scheduler", "--grpc-host", args.host, "--grpc-port", str(sched_port),
         "--metrics-port", "0", "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
+        "--heartbeat-ttl", str(args.heartbeat_ttl),
     )))  # fmt: skip
     stack.wait_ready(stack.procs)
     cores = sorted(os.sched_getaffinity(0))
@@ -97,10 +102,11 @@ def launch(args: argparse.Namespace, stack: Stack) -> dict[str, str]:
                 "services.prefill", *common, "--worker-id", f"prefill-{i}", *_engine_args(args),
                 *metrics_flag(f"prefill-{i}"),
             ), cpus())))  # fmt: skip
+        transports = [t.strip() for t in args.transport.split(",") if t.strip()]
         for i in range(args.decode):
             workers.append(stack.start(Proc(f"decode-{i}", py(
                 "services.decode", *common, "--worker-id", f"decode-{i}",
-                "--transport", args.transport, *_engine_args(args),
+                "--transport", transports[i % len(transports)], *_engine_args(args),
                 *metrics_flag(f"decode-{i}"),
             ), cpus())))  # fmt: skip
     gw = ["--host", args.host, "--http-port", str(args.http_port),
@@ -167,6 +173,10 @@ def smoke(base_url: str, question: str) -> str:
 def run_up(args: argparse.Namespace) -> int:
     if not args.colocated and (args.prefill < 1 or args.decode < 1):
         print("pdserve up: need at least one prefill and one decode worker", file=sys.stderr)
+        return 2
+    bad = {t.strip() for t in args.transport.split(",")} - {"shm", "tcp"}
+    if bad:
+        print(f"pdserve up: unknown transport(s) {sorted(bad)}; use shm or tcp", file=sys.stderr)
         return 2
     log_dir = args.log_dir or default_log_dir()
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,241 @@
+"""End to end: redis-server, scheduler, gateway, 2 prefill and 2 decode workers, as real
+processes started by ``pdserve up``'s launcher; clients are the official ``openai`` client
+over HTTP and a gRPC streaming client.
+
+One decode worker takes KV over shm, the other over tcp, so every check runs both paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import urllib.request
+
+import grpc
+import openai
+import pytest
+
+from engine.sampling_params import SamplingParams
+from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.launcher import Stack, free_port
+from services.up import add_up_flags, launch
+
+MAX_TOKENS = 16
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colors of the rainbow.",
+    "Write one sentence about the sea.",
+    "What is 12 times 12?",
+    "Translate 'good morning' into Spanish.",
+    "Give me a fun fact about owls.",
+    "What does a compiler do?",
+    "List two uses of copper.",
+]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    parser = argparse.ArgumentParser()
+    add_up_flags(parser)
+    args = parser.parse_args(
+        ["--prefill", "2", "--decode", "2", "--transport", "shm,tcp", "--kv-cache-mib", "96",
+         "--http-port", str(free_port()), "--grpc-port", str(free_port()),
+         "--heartbeat-ttl", "2"]
+    )  # fmt: skip
+    st = Stack(log_dir=tmp_path_factory.mktemp("stack"))
+    try:
+        endpoints = launch(args, st)
+        yield st, endpoints
+    finally:
+        st.stop()
+
+
+def _metric(url: str, name: str, labels: str = "") -> float:
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    total, found = 0.0, False
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)$", line)
+        if m and labels in (m.group(1) or ""):
+            total += float(m.group(2))
+            found = True
+    assert found, f"{name} not exported at {url}"
+    return total
+
+
+def _client(endpoints) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=endpoints["http"], api_key="unused", max_retries=0)
+
+
+async def _model(client: openai.AsyncOpenAI) -> str:
+    return (await client.models.list()).data[0].id
+
+
+async def _chat(client, model: str, q: str, max_tokens: int = MAX_TOKENS) -> tuple[str, str]:
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": q}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+    )
+    text, reason = [], None
+    async for chunk in stream:
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+            reason = chunk.choices[0].finish_reason or reason
+    return "".join(text), reason
+
+
+@pytest.fixture(scope="module")
+def expected(make_engine, default_tokenizer) -> dict[str, str]:
+    engine = make_engine()
+    tok = default_tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+               for q in QUESTIONS]  # fmt: skip
+    res = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    return {q: r.text for q, r in zip(QUESTIONS, res, strict=True)}
+
+
+def _kv_bytes(endpoints) -> dict[str, float]:
+    return {
+        k.split(":", 1)[1]: _metric(v, "pdserve:kv_transfer_bytes_total")
+        for k, v in endpoints.items()
+        if k.startswith("metrics:decode")
+    }
+
+
+def _kv_usage(endpoints) -> dict[str, float]:
+    return {
+        k.split(":", 1)[1]: _metric(v, "pdserve:kv_cache_usage_perc")
+        for k, v in endpoints.items()
+        if k.startswith("metrics:")
+    }
+
+
+async def _all_free(endpoints, timeout: float = 1.0) -> dict[str, float]:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        usage = _kv_usage(endpoints)
+        if all(v == 0.0 for v in usage.values()) or asyncio.get_running_loop().time() > deadline:
+            return usage
+        await asyncio.sleep(0.05)
+
+
+async def test_openai_client_streams_the_real_answer(stack) -> None:
+    _, endpoints = stack
+    client = _client(endpoints)
+    text, reason = await _chat(client, await _model(client), "What is the capital of France?")
+    assert "Paris" in text
+    assert reason == "stop"
+
+
+async def test_32_concurrent_clients_equal_colocated_over_shm_and_tcp(
+    stack, expected, default_tokenizer
+) -> None:
+    _, endpoints = stack
+    client = _client(endpoints)
+    model = await _model(client)
+    before = _kv_bytes(endpoints)
+    qs = [QUESTIONS[i % len(QUESTIONS)] for i in range(32)]
+    results = await asyncio.wait_for(asyncio.gather(*(_chat(client, model, q) for q in qs)), 240)
+    for q, (text, _) in zip(qs, results, strict=True):
+        assert text == expected[q], q
+    after = _kv_bytes(endpoints)
+    moved = {k: after[k] - before[k] for k in after}
+    assert all(v > 0 for v in moved.values()), f"a decode worker got no KV: {moved}"
+    tok = default_tokenizer
+    block_bytes = 16 * 3 * 64 * 4
+    want = (
+        sum(
+            -(-len(tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))) // 16)
+            for q in qs
+        )
+        * block_bytes
+        * 2
+        * 30
+    )
+    assert sum(moved.values()) == want
+    usage = await _all_free(endpoints)
+    assert all(v == 0.0 for v in usage.values()), usage
+
+
+async def test_grpc_generate_stream(stack, expected) -> None:
+    _, endpoints = stack
+    async with grpc.aio.insecure_channel(endpoints["grpc"]) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        req = gateway_pb2.GenerateRequest(
+            chat=common_pb2.ChatMessages(
+                messages=[common_pb2.ChatMessage(role="user", content=QUESTIONS[0])]
+            ),
+            sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+        )
+        text, last = [], None
+        async for ev in stub.Generate(req, timeout=60):
+            text.append(ev.text)
+            last = ev
+    assert "".join(text) == expected[QUESTIONS[0]]
+    assert last is not None and last.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+async def test_client_disconnect_frees_blocks_on_both_workers(stack) -> None:
+    _, endpoints = stack
+    client = _client(endpoints)
+    model = await _model(client)
+    streams = [
+        await client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": f"Tell a very long story number {i}."}],
+            max_tokens=1000,
+            temperature=0,
+            stream=True,
+        )  # fmt: skip
+        for i in range(4)
+    ]
+    for s in streams:
+        n = 0
+        async for _ in s:
+            n += 1
+            if n == 3:
+                break
+    assert any(v > 0 for v in _kv_usage(endpoints).values())
+    for s in streams:
+        await s.close()
+    usage = await _all_free(endpoints, timeout=1.0)
+    assert all(v == 0.0 for v in usage.values()), usage
+
+
+async def test_bad_input_is_a_clear_4xx_and_the_stack_survives(stack) -> None:
+    _, endpoints = stack
+    client = _client(endpoints)
+    model = await _model(client)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        await client.completions.create(model=model, prompt="hi", max_tokens=10**6)
+    with pytest.raises(openai.NotFoundError):
+        await client.completions.create(model="no-such-model", prompt="hi")
+    with pytest.raises(openai.BadRequestError):
+        await client.completions.create(model=model, prompt="x " * 9000, max_tokens=1)
+    text, _ = await _chat(client, model, QUESTIONS[3])
+    assert text
+
+
+async def test_killed_decode_worker_is_dropped_and_survivors_serve(stack, expected) -> None:
+    st, endpoints = stack
+    client = _client(endpoints)
+    model = await _model(client)
+    victim = next(p for p in st.procs if p.name == "decode-1")
+    # requests in flight on the victim end with an error, never a hang
+    inflight = [
+        asyncio.ensure_future(_chat(client, model, f"Write a long poem number {i}.", 200))
+        for i in range(4)
+    ]
+    await asyncio.sleep(2.0)
+    assert victim.popen is not None
+    victim.popen.kill()
+    done = await asyncio.wait_for(asyncio.gather(*inflight, return_exceptions=True), 120)
+    assert all(isinstance(r, tuple | openai.APIError) for r in done), done
+    # the scheduler spreads the four over both decode workers: the victim's fail cleanly
+    assert any(isinstance(r, openai.APIError) for r in done), done
+    await asyncio.sleep(2.0 + 1.0)  # heartbeat TTL + slack: the scheduler drops the victim
+    results = await asyncio.gather(*(_chat(client, model, q) for q in QUESTIONS))
+    assert [t for t, _ in results] == [expected[q] for q in QUESTIONS]
