@@ -189,7 +189,7 @@ async def test_client_disconnect_frees_blocks_on_both_workers(stack) -> None:
             max_tokens=1000,
             temperature=0,
             stream=True,
-        )  # fmt: skip
+        )
         for i in range(4)
     ]
     for s in streams:
