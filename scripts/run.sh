@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Install pdserve, then stream a real answer from the embedded default model.
-# Extra arguments replace the question, e.g.: bash scripts/run.sh "Name three planets."
+# Install pdserve, start the local disaggregated stack on the embedded default model
+# (redis-server, scheduler, 1 prefill + 1 decode worker, gateway), send one real streaming
+# chat request through the OpenAI-compatible gateway, print the answer, and stop.
+#   bash scripts/run.sh                       the default question
+#   bash scripts/run.sh "Name three planets."  your question
+# To keep the stack running instead: pdserve up   (Ctrl-C stops it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 question=${1:-"What is the capital of France?"}
-exec "${PYTHON:-python3}" -m services.cli generate --chat "$question" --max-tokens 64
+exec "${PYTHON:-python3}" -m services.cli up --smoke "$question" --http-port 0 --grpc-port 0

@@ -31,6 +31,7 @@ class Proc:
     cpus: set[int] | None = None
     popen: subprocess.Popen[str] | None = None
     address: str = ""
+    ready_text: str = ""
     ready: threading.Event = field(default_factory=threading.Event)
     lines: list[str] = field(default_factory=list)
 
@@ -82,6 +83,7 @@ class Stack:
                         parts = line.split()
                         if line.startswith("READY ") and len(parts) > 2:
                             proc.address = parts[2]
+                        proc.ready_text = line.strip()
                         proc.ready.set()
 
         threading.Thread(target=pump, name=f"log-{proc.name}", daemon=True).start()

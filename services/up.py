@@ -120,12 +120,20 @@ def launch(args: argparse.Namespace, stack: Stack) -> dict[str, str]:
     _wait_placeable(args, gateway.address)
     return {
         "http": f"http://{gateway.address}/v1",
-        "grpc": f"{args.host}:{args.grpc_port}",
+        "grpc": _field(gateway.ready_text, "grpc") or f"{args.host}:{args.grpc_port}",
         "scheduler": sched.address,
         "redis": f"redis://127.0.0.1:{redis_port}/0",
         "logs": str(stack.log_dir),
         **{f"metrics:{k}": v for k, v in metrics.items()},
     }
+
+
+def _field(ready_line: str, key: str) -> str:
+    """``key=value`` from a READY line (the gateway prints ``grpc=host:port``)."""
+    for part in ready_line.split():
+        if part.startswith(f"{key}="):
+            return part.split("=", 1)[1]
+    return ""
 
 
 def _wait_placeable(args: argparse.Namespace, address: str, timeout: float = 30.0) -> None:
