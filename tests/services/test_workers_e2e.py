@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
 import urllib.request
 
 import grpc
@@ -193,3 +194,22 @@ async def test_unreachable_prefill_worker_is_an_error_not_a_hang(cluster, prompt
         await asyncio.wait_for(_generate(procs["shm"].address, req), 40)
     assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     assert await _wait_metric(ports["shm"], "pdserve:kv_cache_usage_perc", 0.0, 3.0) == 0.0
+
+
+async def test_sigterm_drains_in_flight_streams_then_exits(prompts) -> None:
+    worker = start_service(
+        "services.decode", "--role", "colocated", "--port", "0", "--kv-cache-mib", KV_MIB
+    )
+    try:
+        req = _request("drain", prompts[0], "", max_tokens=40)
+        async with grpc.aio.insecure_channel(worker.address) as ch:
+            toks: list[int] = []
+            async for ev in worker_pb2_grpc.DecodeWorkerStub(ch).Generate(req, timeout=120):
+                toks.extend(ev.token_ids)
+                if len(toks) == 3:
+                    worker.proc.send_signal(signal.SIGTERM)
+        assert len(toks) == 40  # the stream in flight finished
+        assert worker.proc.wait(30) == 0
+        assert any('"draining"' in line for line in worker.output)
+    finally:
+        worker.kill()
