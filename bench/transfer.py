@@ -1,0 +1,1013 @@
+"""KV transfer benchmark: the shm and tcp data planes beside raw memcpy and a raw socket, and
+the per-token latency the serving hop adds over the in-process engine.
+
+Transfer (one request's KV in SmolLM2-135M's real layout: 30 layers, 3 KV heads, head dim 64,
+float32, 16-token blocks; 46,080 bytes a token). Three peer processes are spawned and stay up
+for the whole run: an ``shm`` target and a ``tcp`` target (each registers a region, like a
+decode worker) and a raw socket sink. This process holds the source pool. For each size, the
+request's source blocks are consecutive (a fresh allocation on a prefill worker) and its
+destination blocks come in runs of 1 to 16 at scattered places (a decode pool fragmented by
+churn), so each layer is ``2 x runs`` byte ranges. Every repeat runs, in turn:
+
+- ``memcpy bulk``: one ``copy_`` of the request's byte volume between two buffers here;
+- ``memcpy``: ``copy_`` of the very ranges a transport moves, between two buffers here (the
+  reference ``shm`` is judged against);
+- ``shm`` / ``tcp``: ``begin`` -> ``write_blocks`` for all 30 layers -> ``finish``, timed from
+  ``begin`` to ``finish`` returning (``plan_ranges`` runs inside ``write_blocks`` and counts);
+  ``wait`` is ``TransferResult.wait_seconds``, how long ``finish`` blocked;
+- ``socket``: a plain blocking TCP loopback socket: an 8-byte length, then one ``sendall`` per
+  range (the same chunking), the sink ``recv_into``s a preallocated buffer and acknowledges;
+  timed to the acknowledgement (the reference ``tcp`` is judged against).
+
+Every method's bytes are checked after its timed repeats (per-block sums at the destination
+equal the source's). Torch runs one thread in every process: each method copies on one core.
+Throughput is bytes / median latency. Targets: shm >= 80% of memcpy, tcp >= 70% of the raw
+socket, at every size.
+
+Hop (the gateway -> decode path against the in-process engine): the same greedy request
+(random prompt, ``ignore_eos``, ``--hop-tokens`` tokens) streamed (a) from an ``AsyncEngine``
+in this process, (b) from a colocated decode worker process over ``DecodeWorker.Generate``
+(grpc.aio client here), and (c) through ``pdserve up --colocated`` (redis, scheduler, worker,
+gateway) over ``Gateway.Generate`` when the gateway has ``--backend cluster``. Every engine
+runs one torch thread. Requests alternate between the paths, repeat after repeat, so drift
+hits all of them alike. Inter-token gaps are taken at the consumer (the first event, which
+carries the prefill, is excluded; an event with k tokens gives k gaps of 1/k of its gap). The
+added latency of a path is its P50 (P99) minus the in-process P50 (P99); target: added P99
+<= 2 ms per token.
+
+``python -m bench.transfer --help`` lists the options; ``--json OUT`` writes every sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import random
+import shlex
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench._common import (
+    load_average,
+    machine_info,
+    markdown_table,
+    percentile,
+    ratio,
+    write_json,
+)
+from transfer import ByteRange, KVLayout, MemoryRegionHandle, get_transport, plan_ranges
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# SmolLM2-135M's KV layout (see /work/shared/MACHINE.md): 46,080 bytes a token in float32.
+NUM_LAYERS = 30
+NUM_KV_HEADS = 3
+HEAD_DIM = 64
+BLOCK_SIZE = 16
+DTYPE = "float32"
+BYTES_PER_TOKEN = 2 * NUM_LAYERS * NUM_KV_HEADS * HEAD_DIM * 4
+
+SHM_TARGET = 0.80  # shm throughput / memcpy (same ranges)
+TCP_TARGET = 0.70  # tcp throughput / raw loopback socket (same chunking)
+HOP_TARGET_MS = 2.0  # added P99 inter-token latency of the serving path
+
+MAX_RUN_BLOCKS = 16  # destination runs are 1..16 blocks long
+DEADLINE_S = 60.0
+HOP_KV_MIB = 128
+HOP_PROMPT_TOKENS = 32
+PEER_START_S = 120.0
+SERVICE_START_S = 240.0
+
+METHODS = ("memcpy_bulk", "memcpy", "shm", "socket", "tcp")
+
+_QUICK: dict[str, Any] = {
+    "sizes": [128, 256],
+    "repeats": 5,
+    "hop": False,
+    "hop_tokens": 16,
+    "hop_repeats": 2,
+}
+_DEFAULTS: dict[str, Any] = {
+    "sizes": [128, 256, 512, 1024, 2048, 4096],
+    "repeats": 100,
+    "hop": True,
+    "hop_tokens": 64,
+    "hop_repeats": 10,
+}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What one run measures."""
+
+    sizes: tuple[int, ...]
+    repeats: int
+    hop: bool
+    hop_tokens: int
+    hop_repeats: int
+    gateway: bool
+    seed: int
+
+    def __post_init__(self) -> None:
+        if not self.sizes or min(self.sizes) < 1:
+            raise ValueError("sizes must be non-empty token counts >= 1")
+        for name in ("repeats", "hop_tokens", "hop_repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.hop_tokens < 3:
+            raise ValueError("hop_tokens must be >= 3 (two gaps at least)")
+
+
+# -- pure helpers ------------------------------------------------------------------------
+def kv_layout(num_blocks: int) -> KVLayout:
+    """SmolLM2's KV layout with a pool of ``num_blocks`` blocks."""
+    return KVLayout(
+        num_layers=NUM_LAYERS,
+        num_blocks=num_blocks,
+        block_size=BLOCK_SIZE,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        dtype=DTYPE,
+    )
+
+
+def blocks_for(tokens: int) -> int:
+    return -(-tokens // BLOCK_SIZE)
+
+
+def request_block_ids(
+    num_blocks: int, src_pool: int, dst_pool: int, seed: int
+) -> tuple[list[int], list[int]]:
+    """Source and destination block ids of one request of ``num_blocks`` blocks.
+
+    Source: consecutive ids at a seeded offset (a fresh allocation on a prefill worker).
+    Destination: the pool cut into runs of 1..``MAX_RUN_BLOCKS`` consecutive ids, shuffled,
+    taken in that order (a decode pool fragmented by churn). Deterministic in ``seed``.
+    Raises ``ValueError`` when a pool is too small.
+    """
+    if num_blocks < 1 or num_blocks > src_pool or num_blocks > dst_pool:
+        raise ValueError(f"{num_blocks} blocks do not fit pools of {src_pool} and {dst_pool}")
+    rng = random.Random(seed)
+    start = rng.randrange(src_pool - num_blocks + 1)
+    src = list(range(start, start + num_blocks))
+    runs: list[range] = []
+    pos = 0
+    while pos < dst_pool:
+        length = min(rng.randint(1, MAX_RUN_BLOCKS), dst_pool - pos)
+        runs.append(range(pos, pos + length))
+        pos += length
+    rng.shuffle(runs)
+    dst: list[int] = []
+    for run in runs:
+        dst.extend(run[: num_blocks - len(dst)])
+        if len(dst) == num_blocks:
+            break
+    return src, dst
+
+
+def per_token_gaps(arrivals: Sequence[tuple[float, int]]) -> list[float]:
+    """Inter-token gaps (seconds) of one stream from ``(arrival time, tokens in event)``.
+
+    Events without tokens are ignored; the first event with tokens (it carries the prefill)
+    starts the clock; a later event with ``k`` tokens yields ``k`` gaps of ``gap / k``.
+    """
+    gaps: list[float] = []
+    last: float | None = None
+    for at, count in arrivals:
+        if count <= 0:
+            continue
+        if last is not None:
+            gaps.extend([(at - last) / count] * count)
+        last = at
+    return gaps
+
+
+@dataclass(frozen=True)
+class Summary:
+    """P50 / P99 / mean of a non-empty sample (same unit as the samples)."""
+
+    n: int
+    p50: float
+    p99: float
+    mean: float
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> Summary:
+        if not samples:
+            raise ValueError("summary of an empty sample")
+        return cls(
+            n=len(samples),
+            p50=percentile(samples, 50.0),
+            p99=percentile(samples, 99.0),
+            mean=sum(samples) / len(samples),
+        )
+
+
+def added(path: Summary, base: Summary) -> tuple[float, float]:
+    """What a path adds over the base, per percentile: ``(P50 diff, P99 diff)``."""
+    return path.p50 - base.p50, path.p99 - base.p99
+
+
+# -- results -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MethodResult:
+    """Timed repeats of one method at one size; ``wait_s`` only for the transports."""
+
+    seconds: tuple[float, ...]
+    wait_s: tuple[float, ...] | None
+    verified: bool
+
+    @property
+    def latency(self) -> Summary:
+        return Summary.of(self.seconds)
+
+
+@dataclass(frozen=True)
+class SizeResult:
+    """Every method at one request size."""
+
+    tokens: int
+    nbytes: int
+    blocks: int
+    ranges: int  # byte ranges of the whole request (all layers)
+    plan_s: float  # plan_ranges for all layers, once (inside the transports' timings)
+    methods: dict[str, MethodResult]
+
+    def gb_per_s(self, method: str) -> float:
+        return self.nbytes / self.methods[method].latency.p50 / 1e9
+
+    @property
+    def shm_ratio(self) -> float | None:
+        return ratio(self.gb_per_s("shm"), self.gb_per_s("memcpy"))
+
+    @property
+    def tcp_ratio(self) -> float | None:
+        return ratio(self.gb_per_s("tcp"), self.gb_per_s("socket"))
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "tokens": self.tokens,
+            "bytes": self.nbytes,
+            "blocks": self.blocks,
+            "ranges": self.ranges,
+            "plan_s": self.plan_s,
+            "methods": {},
+            "shm_vs_memcpy": self.shm_ratio,
+            "tcp_vs_socket": self.tcp_ratio,
+            "shm_passed": self.shm_ratio is not None and self.shm_ratio >= SHM_TARGET,
+            "tcp_passed": self.tcp_ratio is not None and self.tcp_ratio >= TCP_TARGET,
+        }
+        for name, res in self.methods.items():
+            lat = res.latency
+            entry: dict[str, Any] = {
+                "gb_per_s": self.gb_per_s(name),
+                "p50_s": lat.p50,
+                "p99_s": lat.p99,
+                "mean_s": lat.mean,
+                "verified": res.verified,
+                "seconds": list(res.seconds),
+            }
+            if res.wait_s is not None:
+                wait = Summary.of(res.wait_s)
+                entry.update(wait_p50_s=wait.p50, wait_p99_s=wait.p99, wait_s=list(res.wait_s))
+            out["methods"][name] = entry
+        return out
+
+
+@dataclass(frozen=True)
+class HopPath:
+    """Inter-token gaps (seconds) of one serving path; ``error`` when it could not run."""
+
+    name: str
+    gaps: tuple[float, ...]
+    outputs_match: bool  # same greedy tokens as the in-process engine, every repeat
+    error: str | None = None
+
+    @property
+    def itl(self) -> Summary | None:
+        return Summary.of(self.gaps) if self.gaps else None
+
+
+@dataclass(frozen=True)
+class HopResult:
+    tokens: int
+    repeats: int
+    paths: tuple[HopPath, ...]
+
+    def base(self) -> HopPath:
+        return self.paths[0]
+
+    def to_json(self) -> dict[str, Any]:
+        base = self.base().itl
+        paths = []
+        for p in self.paths:
+            itl = p.itl
+            entry: dict[str, Any] = {
+                "name": p.name,
+                "error": p.error,
+                "outputs_match": p.outputs_match,
+                "gaps_s": list(p.gaps),
+            }
+            if itl is not None:
+                entry.update(itl_p50_s=itl.p50, itl_p99_s=itl.p99, itl_mean_s=itl.mean, n=itl.n)
+                if base is not None and p is not self.base():
+                    d50, d99 = added(itl, base)
+                    entry.update(
+                        added_p50_s=d50, added_p99_s=d99, added_mean_s=itl.mean - base.mean
+                    )
+                    entry["passed"] = d99 * 1e3 <= HOP_TARGET_MS
+            paths.append(entry)
+        return {"tokens": self.tokens, "repeats": self.repeats, "paths": paths}
+
+
+# -- tables ------------------------------------------------------------------------------
+def _verdict(passed: bool) -> str:
+    return "pass" if passed else "FAIL"
+
+
+def throughput_table(results: Sequence[SizeResult]) -> str:
+    header = (
+        "tokens", "KV MiB", "ranges", "memcpy bulk", "memcpy", "shm", "shm ÷ memcpy",
+        "socket", "tcp", "tcp ÷ socket",
+    )  # fmt: skip
+    rows = []
+    for r in results:
+        shm, tcp = r.shm_ratio, r.tcp_ratio
+        rows.append(
+            (
+                str(r.tokens),
+                f"{r.nbytes / 2**20:.1f}",
+                str(r.ranges),
+                *(f"{r.gb_per_s(m):.2f}" for m in ("memcpy_bulk", "memcpy", "shm")),
+                "—" if shm is None else f"{shm:.2f} {_verdict(shm >= SHM_TARGET)}",
+                *(f"{r.gb_per_s(m):.2f}" for m in ("socket", "tcp")),
+                "—" if tcp is None else f"{tcp:.2f} {_verdict(tcp >= TCP_TARGET)}",
+            )
+        )
+    return markdown_table(header, rows)
+
+
+def latency_table(results: Sequence[SizeResult]) -> str:
+    def ms(summary: Summary) -> str:
+        return f"{summary.p50 * 1e3:.2f} / {summary.p99 * 1e3:.2f}"
+
+    header = (
+        "tokens", "memcpy", "shm", "shm finish wait", "socket", "tcp", "tcp finish wait",
+        "plan_ranges",
+    )  # fmt: skip
+    rows = []
+    for r in results:
+        m = r.methods
+        shm_wait = Summary.of(m["shm"].wait_s or (0.0,))
+        tcp_wait = Summary.of(m["tcp"].wait_s or (0.0,))
+        rows.append(
+            (
+                str(r.tokens),
+                ms(m["memcpy"].latency),
+                ms(m["shm"].latency),
+                ms(shm_wait),
+                ms(m["socket"].latency),
+                ms(m["tcp"].latency),
+                ms(tcp_wait),
+                f"{r.plan_s * 1e3:.2f}",
+            )
+        )
+    return markdown_table(header, rows)
+
+
+def hop_table(hop: HopResult) -> str:
+    base = hop.base().itl
+    header = ("path", "gaps", "ITL P50 ms", "ITL P99 ms", "added P50 ms", "added P99 ms", "target")
+    rows = []
+    for p in hop.paths:
+        itl = p.itl
+        if itl is None:
+            rows.append((p.name, "0", "—", "—", "—", "—", f"not run: {p.error}"))
+            continue
+        cells = [p.name, str(itl.n), f"{itl.p50 * 1e3:.2f}", f"{itl.p99 * 1e3:.2f}"]
+        if p is hop.base() or base is None:
+            cells += ["—", "—", "(baseline)"]
+        else:
+            d50, d99 = added(itl, base)
+            verdict = _verdict(d99 * 1e3 <= HOP_TARGET_MS)
+            cells += [f"{d50 * 1e3:+.2f}", f"{d99 * 1e3:+.2f}", f"≤ {HOP_TARGET_MS:g} ms {verdict}"]
+        if not p.outputs_match:
+            cells[-1] += " (tokens differ!)"
+        rows.append(tuple(cells))
+    return markdown_table(header, rows)
+
+
+# -- peer processes (spawned: nothing inherited by fork) ---------------------------------
+def _pattern_fill(buf: torch.Tensor) -> None:
+    """Non-constant bytes (period 251, phase-shifted per MiB) without a huge temporary."""
+    chunk = 1 << 20
+    base = (torch.arange(chunk + 251, dtype=torch.int32) % 251).to(torch.uint8)
+    for i, start in enumerate(range(0, buf.numel(), chunk)):
+        n = min(chunk, buf.numel() - start)
+        shift = i % 251
+        buf[start : start + n].copy_(base[shift : shift + n])
+
+
+def block_sums(pool: torch.Tensor, layout: KVLayout, block_ids: Sequence[int]) -> list[int]:
+    """Byte sums of ``block_ids`` in every layer, keys then values (a placement checksum)."""
+    view = pool[: layout.total_bytes].view(
+        layout.num_layers, 2, layout.num_blocks, layout.block_bytes
+    )
+    ids = torch.tensor(list(block_ids), dtype=torch.int64)
+    sums: list[int] = []
+    for layer in range(layout.num_layers):
+        sums += view[layer][:, ids].sum(dim=-1, dtype=torch.int64).flatten().tolist()
+    return sums
+
+
+def _region_peer(conn: Connection, transport: str, layout: dict[str, Any]) -> None:
+    """Target main: register a region, send its handle, answer checksum requests."""
+    torch.set_num_threads(1)
+    lay = KVLayout.from_dict(layout)
+    with get_transport(transport) as tp:
+        region = tp.register(lay)
+        region.tensor.zero_()  # touch every page now, not in the first timed write
+        conn.send(region.handle.to_dict())
+        while True:
+            message = conn.recv()
+            if message[0] == "sums":
+                conn.send(block_sums(region.tensor, lay, message[1]))
+            else:
+                region.close()
+                conn.send("closed")
+                return
+
+
+_SOCK_HEADER = struct.Struct("<QQ")  # request bytes, 1 = answer with the byte sum
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:], len(view) - got)
+        if n == 0:
+            raise ConnectionError("peer closed the connection")
+        got += n
+
+
+def _socket_peer(conn: Connection, capacity: int) -> None:
+    """Raw sink main: one connection; per request recv_into a preallocated buffer, ack."""
+    torch.set_num_threads(1)
+    buf = torch.zeros(capacity, dtype=torch.uint8)  # pages touched before any timing
+    view = memoryview(buf.numpy())
+    header = bytearray(_SOCK_HEADER.size)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        conn.send(server.getsockname()[1])
+        sock, _ = server.accept()
+    with sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while True:
+            _recv_exactly(sock, memoryview(header))
+            nbytes, want_sum = _SOCK_HEADER.unpack(header)
+            if nbytes == 0:
+                return
+            _recv_exactly(sock, view[:nbytes])
+            total = int(buf[:nbytes].sum(dtype=torch.int64)) if want_sum else 0
+            sock.sendall(struct.pack("<q", total))
+
+
+class Peer:
+    """Parent-side handle on a spawned peer process; ``first`` is its first message."""
+
+    def __init__(self, target: Callable[..., None], *args: Any) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=target, args=(child, *args), daemon=True)
+        self.process.start()
+        child.close()
+
+    def recv(self, timeout: float) -> Any:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"peer process {self.process.pid} did not answer")
+        return self.conn.recv()
+
+    def ask(self, message: tuple[Any, ...], timeout: float = 60.0) -> Any:
+        self.conn.send(message)
+        return self.recv(timeout)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.process.join(5.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5.0)
+        self.conn.close()
+
+
+# -- the transfer measurements -----------------------------------------------------------
+def _log(message: str) -> None:
+    print(f"[bench.transfer] {message}", file=sys.stderr, flush=True)
+
+
+class TransferBench:
+    """Holds the source pool, the local memcpy destination and the three peers."""
+
+    def __init__(self, cfg: BenchConfig) -> None:
+        self.cfg = cfg
+        biggest = blocks_for(max(cfg.sizes))
+        self.src_layout = kv_layout(biggest + MAX_RUN_BLOCKS)
+        self.dst_layout = kv_layout(2 * biggest)
+        self.src = torch.empty(self.src_layout.total_bytes, dtype=torch.uint8)
+        _pattern_fill(self.src)
+        self.local_dst = torch.zeros(self.dst_layout.total_bytes, dtype=torch.uint8)
+        max_bytes = biggest * 2 * NUM_LAYERS * self.src_layout.block_bytes
+        peers = {
+            "shm": Peer(_region_peer, "shm", self.dst_layout.to_dict()),
+            "tcp": Peer(_region_peer, "tcp", self.dst_layout.to_dict()),
+            "socket": Peer(_socket_peer, max_bytes),
+        }
+        self.peers = peers
+        self.writers = {}
+        self.transports = {}
+        for name in ("shm", "tcp"):
+            handle = MemoryRegionHandle.from_dict(peers[name].recv(PEER_START_S))
+            self.transports[name] = get_transport(name)
+            self.writers[name] = self.transports[name].connect(handle)
+        port = peers["socket"].recv(PEER_START_S)
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.src_view = memoryview(self.src.numpy())
+        self._ids = 0
+
+    def close(self) -> None:
+        self.sock.sendall(_SOCK_HEADER.pack(0, 0))
+        self.sock.close()
+        for tp in self.transports.values():
+            tp.close()
+        for name in ("shm", "tcp"):
+            self.peers[name].ask(("close",))
+        for peer in self.peers.values():
+            peer.stop()
+
+    # one request, each method ---------------------------------------------------------
+    def _memcpy_bulk(self, nbytes: int) -> float:
+        t0 = time.perf_counter()
+        self.local_dst[:nbytes].copy_(self.src[:nbytes])
+        return time.perf_counter() - t0
+
+    def _memcpy(self, ranges: Sequence[ByteRange]) -> float:
+        src, dst = self.src, self.local_dst
+        t0 = time.perf_counter()
+        for s, d, n in ranges:
+            dst[d : d + n].copy_(src[s : s + n])
+        return time.perf_counter() - t0
+
+    def _transport(self, name: str, src_ids: list[int], dst_ids: list[int]) -> tuple[float, float]:
+        self._ids += 1
+        writer = self.writers[name]
+        t0 = time.perf_counter()
+        job = writer.begin(f"bench-{self._ids}", deadline=time.monotonic() + DEADLINE_S)
+        for layer in range(NUM_LAYERS):
+            job.write_blocks(layer, self.src, self.src_layout, src_ids, dst_ids)
+        result = job.finish()
+        elapsed = time.perf_counter() - t0
+        return elapsed, result.wait_seconds
+
+    def _socket(
+        self, ranges: Sequence[ByteRange], nbytes: int, *, want_sum: bool
+    ) -> tuple[float, int]:
+        ack = bytearray(8)
+        sock, view = self.sock, self.src_view
+        t0 = time.perf_counter()
+        sock.sendall(_SOCK_HEADER.pack(nbytes, int(want_sum)))
+        for s, _, n in ranges:
+            sock.sendall(view[s : s + n])
+        _recv_exactly(sock, memoryview(ack))
+        elapsed = time.perf_counter() - t0
+        return elapsed, struct.unpack("<q", ack)[0]
+
+    # one size -------------------------------------------------------------------------
+    def run_size(self, tokens: int) -> SizeResult:
+        nblocks = blocks_for(tokens)
+        src_ids, dst_ids = request_block_ids(
+            nblocks, self.src_layout.num_blocks, self.dst_layout.num_blocks, self.cfg.seed + tokens
+        )
+        t0 = time.perf_counter()
+        per_layer = [
+            plan_ranges(self.src_layout, self.dst_layout, src_ids, dst_ids, layer)
+            for layer in range(NUM_LAYERS)
+        ]
+        plan_s = time.perf_counter() - t0
+        ranges = [r for layer in per_layer for r in layer]
+        nbytes = sum(n for _, _, n in ranges)
+        # Whole blocks move: the byte count is blocks, not tokens.
+        assert nbytes == nblocks * 2 * NUM_LAYERS * self.src_layout.block_bytes
+
+        runs: dict[str, Callable[[], tuple[float, float | None]]] = {
+            "memcpy_bulk": lambda: (self._memcpy_bulk(nbytes), None),
+            "memcpy": lambda: (self._memcpy(ranges), None),
+            "shm": lambda: self._transport("shm", src_ids, dst_ids),
+            "socket": lambda: (self._socket(ranges, nbytes, want_sum=False)[0], None),
+            "tcp": lambda: self._transport("tcp", src_ids, dst_ids),
+        }
+        for run in runs.values():  # warm-up: page faults, first connections, caches
+            run()
+        seconds: dict[str, list[float]] = {m: [] for m in METHODS}
+        waits: dict[str, list[float]] = {m: [] for m in METHODS}
+        # Round-robin, so drift in machine load hits every method alike.
+        for _ in range(self.cfg.repeats):
+            for name, run in runs.items():
+                elapsed, wait = run()
+                seconds[name].append(elapsed)
+                if wait is not None:
+                    waits[name].append(wait)
+
+        # Checked after the timed repeats; "memcpy" ran after "memcpy_bulk" in each round, so
+        # the local destination holds its blocks; the bulk copy is checked on its own after.
+        want = block_sums(self.src, self.src_layout, src_ids)
+        socket_sum = self._socket(ranges, nbytes, want_sum=True)[1]
+        verified = {
+            "memcpy": block_sums(self.local_dst, self.dst_layout, dst_ids) == want,
+            "shm": self.peers["shm"].ask(("sums", dst_ids)) == want,
+            "socket": socket_sum == sum(want),
+            "tcp": self.peers["tcp"].ask(("sums", dst_ids)) == want,
+        }
+        self._memcpy_bulk(nbytes)
+        verified["memcpy_bulk"] = bool(self.local_dst[:nbytes].equal(self.src[:nbytes]))
+        failed = [m for m, ok in verified.items() if not ok]
+        if failed:
+            raise RuntimeError(f"{tokens} tokens: wrong bytes at the destination of {failed}")
+        return SizeResult(
+            tokens=tokens,
+            nbytes=nbytes,
+            blocks=nblocks,
+            ranges=len(ranges),
+            plan_s=plan_s,
+            methods={
+                m: MethodResult(tuple(seconds[m]), tuple(waits[m]) or None, verified[m])
+                for m in METHODS
+            },
+        )
+
+
+def run_transfer(cfg: BenchConfig) -> list[SizeResult]:
+    torch.set_num_threads(1)
+    bench = TransferBench(cfg)
+    try:
+        results = []
+        for tokens in cfg.sizes:
+            res = bench.run_size(tokens)
+            _log(
+                f"{tokens} tokens: " + ", ".join(f"{m} {res.gb_per_s(m):.2f} GB/s" for m in METHODS)
+            )
+            results.append(res)
+        return results
+    finally:
+        bench.close()
+
+
+# -- the hop measurements ----------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Service:
+    """A service subprocess; ``wait_for`` blocks until a line with ``marker`` is printed.
+
+    It gets its own session so that, if it will not stop on SIGTERM, its whole process
+    group (what ``pdserve up`` started) can be killed.
+    """
+
+    def __init__(self, argv: Sequence[str]) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen(
+            [sys.executable, *argv],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.address = ""  # where a client connects, once known
+        self.lines: list[str] = []
+        self._seen = threading.Condition()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._seen:
+                self.lines.append(line)
+                del self.lines[:-200]
+                self._seen.notify_all()
+        with self._seen:
+            self._seen.notify_all()
+
+    def wait_for(self, marker: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        with self._seen:
+            while True:
+                for line in self.lines:
+                    if marker in line:
+                        return line
+                left = deadline - time.monotonic()
+                if self.proc.poll() is not None or left <= 0:
+                    tail = "".join(self.lines[-20:])
+                    raise RuntimeError(f"{marker!r} never came (exit {self.proc.poll()}):\n{tail}")
+                self._seen.wait(min(left, 1.0))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def gateway_has_cluster_backend() -> bool:
+    """Whether ``python -m services.gateway`` offers ``--backend cluster`` here."""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "services.gateway", "--help"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "cluster" in out.split("--backend", 1)[-1].split("\n  --", 1)[0]
+
+
+Arrivals = list[tuple[float, int]]
+
+
+def _brief(e: BaseException, limit: int = 400) -> str:
+    """An error for a table cell: its first line and the end of the rest, on one line."""
+    text = " | ".join(line for line in str(e).splitlines() if line.strip())
+    return text if len(text) <= limit else f"{text[: limit // 2]} … {text[-limit // 2 :]}"
+
+
+async def _stream_inprocess(aengine: Any, rid: str, ids: list[int], n: int) -> tuple:
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    arrivals: Arrivals = []
+    tokens: list[int] = []
+    async for ev in aengine.generate(rid, ids, params):
+        arrivals.append((time.perf_counter(), len(ev.new_token_ids)))
+        tokens += ev.new_token_ids
+    return arrivals, tokens
+
+
+async def _stream_decode(stub: Any, rid: str, ids: list[int], n: int) -> tuple:
+    from pdserve.v1 import common_pb2, worker_pb2
+
+    req = worker_pb2.DecodeGenerateRequest(
+        request_id=rid,
+        prompt_token_ids=ids,
+        sampling=common_pb2.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+    )
+    arrivals: Arrivals = []
+    tokens: list[int] = []
+    async for ev in stub.Generate(req, timeout=300):
+        arrivals.append((time.perf_counter(), len(ev.token_ids)))
+        tokens += ev.token_ids
+    return arrivals, tokens
+
+
+async def _stream_gateway(stub: Any, rid: str, ids: list[int], n: int) -> tuple:
+    from pdserve.v1 import common_pb2, gateway_pb2
+
+    req = gateway_pb2.GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=common_pb2.TokenIds(ids=ids),
+        sampling=common_pb2.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+        return_token_ids=True,
+    )
+    arrivals: Arrivals = []
+    tokens: list[int] = []
+    async for ev in stub.Generate(req, timeout=300):
+        arrivals.append((time.perf_counter(), len(ev.token_ids)))
+        tokens += ev.token_ids
+    return arrivals, tokens
+
+
+async def _hop_async(cfg: BenchConfig, services: dict[str, Service], errors: dict) -> HopResult:
+    import grpc
+
+    from engine.async_engine import AsyncEngine
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from pdserve.v1 import gateway_pb2_grpc, worker_pb2_grpc
+
+    engine = await asyncio.to_thread(
+        LLMEngine, EngineConfig(num_threads=1, kv_cache_bytes=HOP_KV_MIB << 20)
+    )
+    aengine = AsyncEngine(engine)
+    aengine.start()
+    streams: dict[str, Callable[[str, list[int], int], Any]] = {
+        "in-process AsyncEngine": lambda r, i, n: _stream_inprocess(aengine, r, i, n)
+    }
+    channels = []
+    if "decode" in services:
+        try:
+            address = services["decode"].wait_for("READY ", SERVICE_START_S).split()[2]
+            ch = grpc.aio.insecure_channel(address)
+            channels.append(ch)
+            stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+            streams["decode worker gRPC"] = lambda r, i, n: _stream_decode(stub, r, i, n)
+        except RuntimeError as e:
+            errors["decode worker gRPC"] = f"worker did not come up: {_brief(e)}"
+    if "gateway" in services:
+        try:
+            services["gateway"].wait_for("pdserve is up", SERVICE_START_S)
+            ch = grpc.aio.insecure_channel(services["gateway"].address)
+            channels.append(ch)
+            gstub = gateway_pb2_grpc.GatewayStub(ch)
+            streams["gateway → decode gRPC"] = lambda r, i, n: _stream_gateway(gstub, r, i, n)
+        except RuntimeError as e:
+            errors["gateway → decode gRPC"] = f"stack did not come up: {_brief(e)}"
+    try:
+        gen = torch.Generator().manual_seed(cfg.seed)
+        vocab = engine.model_config.vocab_size
+        for i, (name, stream) in enumerate(list(streams.items())):  # warm-up, untimed
+            try:
+                await stream(f"warm-{i}", torch.randint(0, vocab, (8,)).tolist(), 4)
+            except Exception as e:
+                if i == 0:
+                    raise  # the baseline must run
+                errors[name] = f"{type(e).__name__}: {_brief(e)}"  # reported, not fatal
+                del streams[name]
+        gaps: dict[str, list[float]] = {name: [] for name in streams}
+        match: dict[str, bool] = {name: True for name in streams}
+        names = list(streams)
+        for r in range(cfg.hop_repeats):
+            ids = torch.randint(0, vocab, (HOP_PROMPT_TOKENS,), generator=gen).tolist()
+            got: dict[str, list[int]] = {}
+            # The order rotates each repeat: no path always runs right after another.
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                arrivals, tokens = await streams[name](f"hop-{r}", ids, cfg.hop_tokens)
+                if len(tokens) != cfg.hop_tokens:
+                    raise RuntimeError(f"{name} streamed {len(tokens)} of {cfg.hop_tokens} tokens")
+                got[name] = tokens
+                gaps[name] += per_token_gaps(arrivals)
+            for name in names:  # greedy: every path must produce the baseline's tokens
+                match[name] &= got[name] == got[names[0]]
+            _log(
+                f"hop repeat {r + 1}/{cfg.hop_repeats}: "
+                + ", ".join(f"{n} P50 {percentile(g, 50) * 1e3:.1f} ms" for n, g in gaps.items())
+            )
+    finally:
+        for ch in channels:
+            await ch.close()
+        await aengine.stop()
+    paths = [HopPath(name, tuple(g), match[name]) for name, g in gaps.items()]
+    paths += [HopPath(name, (), False, err) for name, err in errors.items()]
+    return HopResult(cfg.hop_tokens, cfg.hop_repeats, tuple(paths))
+
+
+def run_hop(cfg: BenchConfig) -> HopResult:
+    """Start the services (they load while this process loads its engine), measure, stop."""
+    services: dict[str, Service] = {}
+    errors: dict[str, str] = {}
+    try:
+        services["decode"] = Service(
+            ["-m", "services.decode", "--role", "colocated", "--port", "0", "--threads", "1",
+             "--kv-cache-mib", str(HOP_KV_MIB), "--metrics-port", "0"]
+        )  # fmt: skip
+        if not cfg.gateway:
+            errors["gateway → decode gRPC"] = "skipped (--no-gateway)"
+        elif not gateway_has_cluster_backend():
+            errors["gateway → decode gRPC"] = "services.gateway has no --backend cluster"
+        else:
+            grpc_port = _free_port()
+            gw = Service(
+                ["-m", "services.cli", "up", "--colocated", "--http-port", str(_free_port()),
+                 "--grpc-port", str(grpc_port), "--threads-per-worker", "1",
+                 "--kv-cache-mib", str(HOP_KV_MIB)]
+            )  # fmt: skip
+            gw.address = f"127.0.0.1:{grpc_port}"
+            services["gateway"] = gw
+        return asyncio.run(_hop_async(cfg, services, errors))
+    finally:
+        for svc in services.values():
+            svc.stop()
+
+
+# -- the command line --------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.transfer",
+        description="KV transfer (shm, tcp) beside memcpy and a raw socket, and the per-token "
+        "latency of the serving hop over the in-process engine.",
+    )
+    p.add_argument(
+        "--sizes", type=int, nargs="+", help="request sizes in tokens (default: 128 … 4096)"
+    )
+    p.add_argument("--repeats", type=int, help="timed transfers per method and size (default: 100)")
+    p.add_argument("--skip-hop", action="store_true", help="skip the serving-hop latency part")
+    p.add_argument("--hop", action="store_true", help="run the hop even with --quick")
+    p.add_argument("--hop-tokens", type=int, help="tokens per hop request (default: 64)")
+    p.add_argument("--hop-repeats", type=int, help="requests per hop path (default: 10)")
+    p.add_argument("--no-gateway", action="store_true", help="hop: skip the pdserve-up stack")
+    p.add_argument("--seed", type=int, default=0, help="seed of block ids and prompts")
+    p.add_argument("--json", metavar="OUT", help="write results (every sample) to this file")
+    p.add_argument(
+        "--quick", action="store_true", help="128 and 256 tokens, 5 repeats, no hop (a smoke test)"
+    )
+    return p.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """Flags given explicitly win; the rest come from --quick's or the full run's defaults."""
+    base = _QUICK if args.quick else _DEFAULTS
+
+    def pick(name: str) -> Any:
+        value = getattr(args, name)
+        return base[name] if value is None else value
+
+    hop = (base["hop"] or args.hop) and not args.skip_hop
+    return BenchConfig(
+        sizes=tuple(pick("sizes")),
+        repeats=pick("repeats"),
+        hop=hop,
+        hop_tokens=pick("hop_tokens"),
+        hop_repeats=pick("hop_repeats"),
+        gateway=not args.no_gateway,
+        seed=args.seed,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    cfg = config_from_args(args)
+    command = shlex.join(["python", "-m", "bench.transfer", *argv])
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    load_before = load_average()
+    t0 = time.perf_counter()
+    sizes = run_transfer(cfg)
+    load_mid = load_average()
+    hop = run_hop(cfg) if cfg.hop else None
+    load_after = load_average()
+    machine = machine_info()
+    print(f"command: {command}")
+    print(
+        f"machine: {machine['cpu_model']}, {machine['cpu_count']} CPUs; started {started}; "
+        f"load {load_before[0]:.2f} -> {load_mid[0]:.2f} -> {load_after[0]:.2f}; "
+        f"{time.perf_counter() - t0:.0f} s"
+    )
+    print()
+    print(f"Throughput, GB/s at the median latency ({cfg.repeats} repeats; targets: shm ≥ "
+          f"{SHM_TARGET:.2f}× memcpy, tcp ≥ {TCP_TARGET:.2f}× socket):")  # fmt: skip
+    print(throughput_table(sizes))
+    print()
+    print("Per-request latency, ms P50 / P99:")
+    print(latency_table(sizes))
+    if hop is not None:
+        print()
+        print(
+            f"Serving hop: inter-token latency, {hop.repeats} requests × {hop.tokens} tokens "
+            f"per path, 1 thread per engine:"
+        )
+        print(hop_table(hop))
+    if args.json:
+        write_json(
+            args.json,
+            {
+                "command": command,
+                "started": started,
+                "wall_s": time.perf_counter() - t0,
+                "config": asdict(cfg),
+                "machine": machine,
+                "load": {"before": load_before, "after_transfer": load_mid, "after": load_after},
+                "layout": {**kv_layout(1).to_dict(), "bytes_per_token": BYTES_PER_TOKEN},
+                "targets": {
+                    "shm_vs_memcpy": SHM_TARGET,
+                    "tcp_vs_socket": TCP_TARGET,
+                    "hop_added_p99_ms": HOP_TARGET_MS,
+                },
+                "transfer": [r.to_json() for r in sizes],
+                "hop": None if hop is None else hop.to_json(),
+            },
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
