@@ -76,7 +76,7 @@ class Stack:
                     log.write(line)
                     log.flush()
                     proc.lines.append(line)
-                    del proc.lines[:-50]
+                    del proc.lines[:-200]
                     if self.echo:
                         sys.stderr.write(f"[{proc.name}] {line}")
                     if ready_line and ready_line in line and not proc.ready.is_set():

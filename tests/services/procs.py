@@ -1,35 +1,47 @@
-"""Start real service processes for integration tests, and always stop them."""
+"""Start real service processes for integration tests, and always stop them.
+
+A thin test-side face of ``services/launcher.py`` (the code ``pdserve up`` uses), so the
+tests start services exactly the way users do.
+"""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import threading
-import time
-from dataclasses import dataclass, field
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+
+from services.launcher import Proc, Stack, py
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass
 class ServiceProcess:
-    name: str
-    proc: subprocess.Popen[str]
-    address: str = ""
-    output: list[str] = field(default_factory=list)
+    stack: Stack
+    handle: Proc
+
+    @property
+    def address(self) -> str:
+        return self.handle.address
+
+    @property
+    def proc(self):  # the subprocess.Popen
+        assert self.handle.popen is not None
+        return self.handle.popen
+
+    @property
+    def ready_line(self) -> str:
+        """The ``READY ...`` line the service printed."""
+        return self.handle.ready_text
+
+    @property
+    def output(self) -> list[str]:
+        """The process's most recent output lines."""
+        return self.handle.lines
 
     def stop(self, timeout: float = 15.0) -> int:
-        """SIGTERM, wait, then SIGKILL; returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        """SIGTERM (the service drains), wait, then SIGKILL; returns the exit code."""
+        self.stack.stop(grace=timeout)
         return self.proc.returncode
 
     def kill(self) -> None:
@@ -40,31 +52,11 @@ class ServiceProcess:
 
 def start_service(module: str, *args: str, ready_timeout: float = 120.0) -> ServiceProcess:
     """Run ``python -m module args`` and wait for its ``READY <role> <address>`` line."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", module, *args],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    sp = ServiceProcess(module, proc)
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            sp.output.append(line)
-            if line.startswith("READY ") and not ready.is_set():
-                sp.address = line.split()[2]
-                ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + ready_timeout
-    while not ready.wait(0.1):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            sp.kill()
-            tail = "".join(sp.output[-30:])
-            raise RuntimeError(f"{module} did not become ready:\n{tail}")
-    return sp
+    stack = Stack(log_dir=Path(tempfile.mkdtemp(prefix="pdserve-test-")))
+    handle = stack.start(Proc(module.rsplit(".", 1)[-1], py(module, *args)))
+    try:
+        stack.wait_ready([handle], ready_timeout)
+    except RuntimeError:
+        stack.stop(grace=2.0)
+        raise
+    return ServiceProcess(stack, handle)

@@ -54,7 +54,8 @@ async def test_sigterm_drains_in_flight_stream_then_exits() -> None:
         *("--drain-timeout-s", "30", "--threads", "1"),
     )
     try:
-        ready = next(line for line in sp.output if line.startswith("READY gateway"))
+        ready = sp.ready_line
+        assert ready.startswith("READY gateway")
         grpc_addr = ready.split()[3].removeprefix("grpc=")
         base = f"http://{sp.address}"
         async with grpc.aio.insecure_channel(grpc_addr) as ch:
