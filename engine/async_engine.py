@@ -102,8 +102,8 @@ class AsyncEngine:
         q = self._open(request_id)
         try:
             await self.call(lambda: self.engine.add_request(prompt, params, request_id))
-        except BaseException:
-            self._streams.pop(request_id, None)
+        except BaseException as e:
+            self._forget(request_id, cancelled=isinstance(e, asyncio.CancelledError))
             raise
         async for ev in self._drain(request_id, q):
             yield ev
@@ -126,8 +126,8 @@ class AsyncEngine:
 
         try:
             await self.call(add)
-        except BaseException:
-            self._streams.pop(request_id, None)
+        except BaseException as e:
+            self._forget(request_id, cancelled=isinstance(e, asyncio.CancelledError))
             raise
         async for ev in self._drain(request_id, q):
             yield ev
@@ -171,6 +171,13 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> bool:
         return await self.call(lambda: self.engine.abort_request(request_id))
+
+    def _forget(self, request_id: str, *, cancelled: bool) -> None:
+        """Drop a stream whose start failed. If the caller was cancelled, the engine thread
+        may still have added the request: queue an abort so it does not run unread."""
+        self._streams.pop(request_id, None)
+        if cancelled:
+            self._commands.put((lambda: self.engine.abort_request(request_id), Future()))
 
     # -- streams ------------------------------------------------------------------------
     def _open(self, request_id: str) -> asyncio.Queue[RequestOutput | BaseException]:

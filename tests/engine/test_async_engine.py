@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -98,3 +99,32 @@ async def test_prefill_and_decode_roles(make_engine, default_tokenizer) -> None:
     finally:
         await pre.stop()
         await dec.stop()
+
+
+async def test_cancelling_right_after_submit_never_leaks_a_request(make_engine) -> None:
+    eng = make_engine()
+    aeng = AsyncEngine(eng)
+    aeng.start()
+    try:
+        for i in range(20):
+
+            async def consume(rid: str = f"c{i}") -> None:
+                async for _ in aeng.generate(
+                    rid, "Tell me a story", SamplingParams(max_tokens=2000)
+                ):
+                    pass
+
+            task = asyncio.ensure_future(consume())
+            for _ in range(i % 4):  # cancel at different points of the submission
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for _ in range(100):
+            if not eng.has_unfinished():
+                break
+            await asyncio.sleep(0.02)
+        assert not eng.has_unfinished()
+        assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+    finally:
+        await aeng.stop()
