@@ -175,6 +175,33 @@ class LLMEngine:
                 )
         return ids
 
+    def _validate(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        *,
+        generates_here: bool,
+    ) -> list[int]:
+        """Every request's checks; ``generates_here``: the output's KV must fit this pool too
+        (not so for a prefill-only pass). Returns the prompt ids."""
+        ids = self.encode_prompt(prompt)
+        params.check_against(
+            prompt_len=len(ids),
+            max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+        )
+        if generates_here:
+            needed = self.blocks.blocks_needed(len(ids) + params.max_tokens)
+            if needed > self.blocks.num_blocks:
+                raise CapacityError(
+                    f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) needs {needed} KV "
+                    f"blocks; the cache has {self.blocks.num_blocks}"
+                )
+        if self.scheduler.get(request_id) is not None or request_id in self._held:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        return ids
+
     def add_request(
         self,
         prompt: str | Seq[int],
@@ -183,21 +210,8 @@ class LLMEngine:
     ) -> str:
         """Validate and queue a request; returns its id. Raises InvalidRequestError."""
         params = params or SamplingParams()
-        ids = self.encode_prompt(prompt)
-        params.check_against(
-            prompt_len=len(ids),
-            max_model_len=self.max_model_len,
-            vocab_size=self.model_config.vocab_size,
-        )
-        needed = self.blocks.blocks_needed(len(ids) + params.max_tokens)
-        if needed > self.blocks.num_blocks:
-            raise CapacityError(
-                f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) needs {needed} KV "
-                f"blocks; the cache has {self.blocks.num_blocks}"
-            )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if self.scheduler.get(rid) is not None or rid in self._held:
-            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        ids = self._validate(rid, prompt, params, generates_here=True)
         seq = Sequence(rid, ids, params, time.monotonic(), generator=_generator(params))
         self.scheduler.add(seq)
         self.outputs.add(rid, params)
@@ -216,14 +230,7 @@ class LLMEngine:
         Raises InvalidRequestError, CapacityError, or ResourceExhaustedError when the pool
         is full right now. The blocks stay held until ``release``.
         """
-        ids = self.encode_prompt(list(prompt_ids))
-        params.check_against(
-            prompt_len=len(ids),
-            max_model_len=self.max_model_len,
-            vocab_size=self.model_config.vocab_size,
-        )
-        if request_id in self._held or self.scheduler.get(request_id) is not None:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        ids = self._validate(request_id, list(prompt_ids), params, generates_here=False)
         seq = Sequence(request_id, ids, params, time.monotonic(), generator=_generator(params))
         hit = self.scheduler.match_prefix(seq)
         need = self.blocks.blocks_needed(len(ids)) - len(seq.block_table)
@@ -277,23 +284,10 @@ class LLMEngine:
 
     def reserve(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams) -> list[int]:
         """Validate and allocate blocks for a prompt another worker will prefill."""
-        ids = self.encode_prompt(list(prompt_ids))
-        params.check_against(
-            prompt_len=len(ids),
-            max_model_len=self.max_model_len,
-            vocab_size=self.model_config.vocab_size,
-        )
-        if request_id in self._held or self.scheduler.get(request_id) is not None:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        ids = self._validate(request_id, list(prompt_ids), params, generates_here=True)
         if len(self.scheduler.running) + len(self._held) >= self.config.max_num_seqs:
             raise ResourceExhaustedError(
                 f"decode batch is full ({self.config.max_num_seqs} sequences)"
-            )
-        needed = self.blocks.blocks_needed(len(ids) + params.max_tokens)
-        if needed > self.blocks.num_blocks:
-            raise CapacityError(
-                f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) needs {needed} KV "
-                f"blocks; the cache has {self.blocks.num_blocks}"
             )
         seq = Sequence(request_id, ids, params, time.monotonic(), generator=_generator(params))
         seq.block_table = self.blocks.allocate(self.blocks.blocks_needed(len(ids)))
