@@ -3,9 +3,9 @@
 Layout: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (2 = key, value).
 Why this order: one layer's keys of one block are a single contiguous byte range, and so is
 a run of consecutive block ids. A request's KV for one layer is therefore ``2 x runs`` byte
-ranges, which is what the transfer layer pushes into another process's pool layer by layer
-while later layers still compute. The pool may live in memory someone else owns (a POSIX
-shared-memory segment the prefill worker writes into): pass that buffer in.
+ranges (``transfer.plan_ranges``), which the transfer layer pushes into another process's
+pool layer by layer while later layers still compute. The pool may live in memory someone
+else owns (a POSIX shared-memory segment the prefill worker writes into): pass that buffer in.
 
 The block manager (``engine/block_manager.py``) owns which block belongs to whom; this module
 only owns the bytes.
@@ -13,7 +13,6 @@ only owns the bytes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -87,7 +86,7 @@ class KVCacheSpec:
 
 
 class KVCache:
-    """Owns the pool tensor; hands out per-layer views and byte ranges of block runs."""
+    """Owns the pool tensor; hands out per-layer views and the flat byte view peers copy from."""
 
     def __init__(self, spec: KVCacheSpec, buffer: torch.Tensor | None = None) -> None:
         self.spec = spec
@@ -110,20 +109,6 @@ class KVCache:
 
     def values(self, layer: int) -> torch.Tensor:
         return self._v[layer]
-
-    def byte_ranges(self, layer: int, block_ids: Sequence[int]) -> list[tuple[int, int]]:
-        """(offset, length) ranges holding ``block_ids``' keys then values of one layer.
-
-        Consecutive block ids merge into one range, so a freshly allocated request is
-        usually two ranges per layer.
-        """
-        from engine.block_manager import contiguous_runs
-
-        ranges: list[tuple[int, int]] = []
-        for kv in (0, 1):
-            for start, length in contiguous_runs(block_ids):
-                ranges.append((self.spec.offset(layer, kv, start), length * self.spec.block_bytes))
-        return ranges
 
     def as_bytes(self) -> torch.Tensor:
         """The whole pool as a flat uint8 tensor (shares memory)."""
