@@ -36,8 +36,6 @@ class EngineBackend:
         self._active = 0
         self._started = False
         self._stopping = False
-        # Aborts sent for requests cancelled mid-submission; kept so they are not collected.
-        self._aborts: set[asyncio.Task[bool]] = set()
 
     @property
     def num_active(self) -> int:
@@ -70,12 +68,11 @@ class EngineBackend:
                 f"the server is at its limit of {self.max_active} concurrent requests"
             )
         self._active += 1
-        finished = cancelled = False
         stream = self.engine.generate(req.request_id, list(req.prompt_token_ids), req.params)
         try:
             async with aclosing(stream):
+                # Closing the stream (also mid-submission) aborts the request in the engine.
                 async for ev in stream:
-                    finished = ev.finished
                     yield GenerateChunk(
                         text_delta=ev.text_delta,
                         token_ids=ev.new_token_ids,
@@ -85,20 +82,5 @@ class EngineBackend:
                         completion_tokens=ev.num_output_tokens,
                         cached_tokens=ev.num_cached_tokens,
                     )
-        except (asyncio.CancelledError, GeneratorExit):
-            cancelled = True
-            raise
         finally:
             self._active -= 1
-            if cancelled and not finished:
-                # AsyncEngine aborts a request whose stream is closed after it started, but a
-                # cancel that lands while the request is being added can leave it running
-                # with nobody reading; aborting again is a no-op otherwise.
-                self._abort_later(req.request_id)
-
-    def _abort_later(self, request_id: str) -> None:
-        if self._stopping:
-            return
-        task = asyncio.get_running_loop().create_task(self.engine.abort(request_id))
-        self._aborts.add(task)
-        task.add_done_callback(self._aborts.discard)
