@@ -1,7 +1,8 @@
 """Llama-family decoder in plain PyTorch: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
 Weights arrive with Hugging Face names (``engine/checkpoint.py``) and are fused here:
-q/k/v into one projection and gate/up into another, so a layer is four matrix products.
+q/k/v into one projection and gate/up into another, so a layer is four matrix products,
+each a ``kernels.linear.PackedLinear`` (weights pre-packed for oneDNN on float32 CPU).
 The forward pass takes a flat ``ForwardBatch`` (all sequences' new tokens concatenated)
 and reads/writes keys and values in the paged pool (``engine/kv_cache.py``).
 """
@@ -19,6 +20,7 @@ from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
 from engine.rope import RotaryEmbedding
+from kernels.linear import PackedLinear
 
 
 class _Layer:
@@ -28,14 +30,14 @@ class _Layer:
         p = f"model.layers.{i}."
         self.attn_norm = t[p + "input_layernorm.weight"]
         self.mlp_norm = t[p + "post_attention_layernorm.weight"]
-        self.qkv = torch.cat(
-            [t[p + f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v")], dim=0
-        ).contiguous()
-        self.o = t[p + "self_attn.o_proj.weight"].contiguous()
-        self.gate_up = torch.cat(
-            [t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]], dim=0
-        ).contiguous()
-        self.down = t[p + "mlp.down_proj.weight"].contiguous()
+        self.qkv = PackedLinear(
+            torch.cat([t[p + f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v")], dim=0)
+        )
+        self.o = PackedLinear(t[p + "self_attn.o_proj.weight"])
+        self.gate_up = PackedLinear(
+            torch.cat([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]], dim=0)
+        )
+        self.down = PackedLinear(t[p + "mlp.down_proj.weight"])
 
 
 class LlamaModel:
@@ -46,9 +48,10 @@ class LlamaModel:
         self.dtype = tensors["model.embed_tokens.weight"].dtype
         self.embed = tensors["model.embed_tokens.weight"]
         self.norm = tensors["model.norm.weight"]
-        self.lm_head = (
+        # Tied heads keep the dense embedding for lookups; the head gets its own packed copy.
+        self.lm_head = PackedLinear(
             self.embed if config.tie_word_embeddings else tensors["lm_head.weight"]
-        ).contiguous()
+        )
         self.layers = [_Layer(tensors, i) for i in range(config.num_layers)]
         self.rope = RotaryEmbedding(config, self.dtype)
         self.scale = 1.0 / math.sqrt(config.head_dim)
@@ -80,7 +83,7 @@ class LlamaModel:
         q_size, kv_size, hd = cfg.q_size, cfg.kv_size, cfg.head_dim
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.attn_norm)
-            qkv = F.linear(h, layer.qkv)
+            qkv = layer.qkv(h)
             q = qkv[:, :q_size].view(-1, cfg.num_heads, hd)
             k = qkv[:, q_size : q_size + kv_size].view(-1, cfg.num_kv_heads, hd)
             v = qkv[:, q_size + kv_size :].view(-1, cfg.num_kv_heads, hd)
@@ -91,11 +94,11 @@ class LlamaModel:
             if on_layer_kv is not None:
                 on_layer_kv(i)
             attn = self._attention(q, k, v, k_pool, v_pool, batch)
-            x = x + F.linear(attn, layer.o)
+            x = x + layer.o(attn)
             h = self._rms_norm(x, layer.mlp_norm)
-            gu = F.linear(h, layer.gate_up)
+            gu = layer.gate_up(h)
             gate, up = gu.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            x = x + layer.down(F.silu(gate) * up)
         x = x.index_select(0, batch.logits_indices)
         return self._rms_norm(x, self.norm)
 
@@ -122,4 +125,4 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[S, vocab]`` for final hidden states ``[S, hidden]``."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

@@ -1,0 +1,78 @@
+"""kernels.linear.PackedLinear: the packed oneDNN path equals F.linear; the switch works."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.linear import PackedLinear, packing_available
+
+
+def test_packing_is_available_on_this_build() -> None:
+    # The CPU torch wheel this project pins ships oneDNN; if this fails the engine silently
+    # loses its fast path, which a benchmark would notice only much later.
+    assert packing_available()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 32, 33, 200])
+@pytest.mark.parametrize(("out_f", "in_f"), [(96, 64), (257, 130), (1000, 48)])
+def test_packed_matches_f_linear(rows: int, out_f: int, in_f: int) -> None:
+    g = torch.Generator().manual_seed(rows * 1000 + out_f)
+    w = torch.randn(out_f, in_f, generator=g)
+    x = torch.randn(rows, in_f, generator=g)
+    lin = PackedLinear(w)
+    assert lin.packed
+    got, ref = lin(x), F.linear(x, w)
+    assert got.shape == (rows, out_f)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_non_contiguous_input_and_empty_batch() -> None:
+    w = torch.randn(40, 24)
+    lin = PackedLinear(w)
+    x = torch.randn(24, 9).t()  # [9, 24], not contiguous
+    torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert lin(torch.randn(0, 24)).shape == (0, 40)
+
+
+def test_dense_round_trip_and_plain_path() -> None:
+    w = torch.randn(17, 11)
+    assert torch.equal(PackedLinear(w).dense(), w)
+    plain = PackedLinear(w, pack=False)
+    assert not plain.packed
+    x = torch.randn(5, 11)
+    assert torch.equal(plain(x), F.linear(x, w))
+
+
+def test_non_float32_weights_are_not_packed() -> None:
+    w = torch.randn(8, 4, dtype=torch.bfloat16)
+    lin = PackedLinear(w)
+    assert not lin.packed
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    assert torch.equal(lin(x), F.linear(x, w))
+
+
+def test_bad_shapes_are_rejected() -> None:
+    with pytest.raises(ValueError, match="2-D"):
+        PackedLinear(torch.randn(3, 4, 5))
+    lin = PackedLinear(torch.randn(6, 4))
+    with pytest.raises(ValueError, match=r"float32 \[M, 4\]"):
+        lin(torch.randn(2, 5))
+
+
+def test_switch_off_keeps_f_linear() -> None:
+    code = (
+        "import torch; from kernels.linear import PackedLinear;"
+        "print(PackedLinear(torch.randn(4, 4)).packed)"
+    )
+    env = {**os.environ, "PDSERVE_CPU_KERNELS": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
