@@ -3,6 +3,8 @@
 Subcommands:
   generate   run the colocated engine in this process and stream one completion
   up         start the local stack (redis, scheduler, workers, gateway) as processes
+  bench      load-test an OpenAI-compatible server (TTFT, ITL, throughput, goodput)
+  plan       size prefill/decode workers for a workload from a measured profile
 """
 
 from __future__ import annotations
@@ -40,7 +42,45 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_up_flags(up)
     up.set_defaults(func=_cmd_up)
+    bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server",
+                           description=_bench_doc(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    from bench.serve.cli import add_bench_flags
+
+    add_bench_flags(bench)
+    bench.set_defaults(func=_cmd_bench)
+    plan = sub.add_parser("plan", help="size prefill/decode workers (or `plan profile`)",
+                          description=_plan_doc(),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    from bench.plan.cli import add_plan_flags
+
+    add_plan_flags(plan)
+    plan.set_defaults(func=_cmd_plan)
     return parser
+
+
+def _bench_doc() -> str:
+    from bench.serve import cli
+
+    return cli.__doc__ or ""
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from bench.serve.cli import run_bench
+
+    return run_bench(args)
+
+
+def _plan_doc() -> str:
+    from bench.plan import cli
+
+    return cli.__doc__ or ""
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from bench.plan.cli import run_plan
+
+    return run_plan(args)
 
 
 def _up_doc() -> str:

@@ -1,0 +1,342 @@
+"""``pdserve bench``: load-test any OpenAI-compatible server (pdserve's gateway,
+llama.cpp's llama-server) with streaming requests and report TTFT, ITL, TPOT, E2E,
+throughput and goodput.
+
+Workloads: ``fixed`` (one prompt/output length), ``dist`` (lengths drawn uniform or
+lognormal), ``interference`` (decode streams plus long prompts on a schedule). Prompts have
+exact token lengths (default model's tokenizer, or --tokenizer) and open with a fresh
+random nonce, so no server's prefix cache hits. Arrivals (fixed, dist): poisson, rate or
+concurrency; interference follows its own schedule.
+
+Goodput: a request is good when it succeeded, its TTFT <= --slo-ttft-ms and every one of its
+inter-token gaps <= --slo-itl-ms (an SLO not given is not checked). Failed requests are never
+good; goodput is good requests per second of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.serve.arrival import Arrival, Concurrency, FixedRate, Poisson, Schedule
+from bench.serve.workload import RequestSpec
+
+WORKLOADS = ("fixed", "dist", "interference")
+ARRIVALS = ("poisson", "rate", "concurrency")
+
+
+def add_bench_flags(p: argparse.ArgumentParser) -> None:
+    """The ``pdserve bench`` / ``python -m bench.serve`` flags."""
+    g = p.add_argument_group("server")
+    g.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000",
+        help="server root or its /v1 URL (default: %(default)s)",
+    )
+    g.add_argument(
+        "--model",
+        default=None,
+        help="model name sent in requests (default: the first of /v1/models)",
+    )
+    g.add_argument(
+        "--endpoint",
+        choices=("completions", "chat"),
+        default="completions",
+        help="/v1/completions or /v1/chat/completions (default: %(default)s)",
+    )
+    g.add_argument(
+        "--prompt-format",
+        choices=("ids", "text"),
+        default="ids",
+        help="completions: send prompts as token-id lists or as text (default: %(default)s)",
+    )
+    g.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask the server to ignore EOS so outputs have the asked length "
+        "(vLLM/llama-server extension; default: on)",
+    )
+    g.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="GGUF file or HF tokenizer directory to build prompts with "
+        "(default: pdserve's default model)",
+    )
+    g.add_argument(
+        "--timeout-s",
+        type=float,
+        default=300.0,
+        help="deadline of each request; past it the request is recorded as "
+        "failed (default: %(default)s)",
+    )
+
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", choices=WORKLOADS, default="fixed", help="default: %(default)s")
+    w.add_argument("--num-requests", type=int, default=32, help="fixed, dist (default: 32)")
+    w.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds lengths, filler words and Poisson gaps (nonces stay fresh)",
+    )
+    w.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=256,
+        help="fixed: prompt length; dist lognormal: median (default: 256)",
+    )
+    w.add_argument(
+        "--output-tokens",
+        type=int,
+        default=128,
+        help="fixed: output length; dist lognormal: median (default: 128)",
+    )
+    w.add_argument(
+        "--dist",
+        choices=("uniform", "lognormal"),
+        default="uniform",
+        help="dist: length distribution (default: %(default)s)",
+    )
+    w.add_argument(
+        "--prompt-range",
+        type=int,
+        nargs=2,
+        default=(64, 1024),
+        metavar=("LO", "HI"),
+        help="dist: prompt lengths in [LO, HI] (default: 64 1024)",
+    )
+    w.add_argument(
+        "--output-range",
+        type=int,
+        nargs=2,
+        default=(16, 256),
+        metavar=("LO", "HI"),
+        help="dist: output lengths in [LO, HI] (default: 16 256)",
+    )
+    w.add_argument("--sigma", type=float, default=0.5, help="dist lognormal: sigma of ln(length)")
+    w.add_argument("--streams", type=int, default=8, help="interference: decode streams")
+    w.add_argument("--stream-prompt-tokens", type=int, default=32)
+    w.add_argument("--stream-output-tokens", type=int, default=256)
+    w.add_argument(
+        "--stream-stagger-s",
+        type=float,
+        default=0.01,
+        help="interference: stream i starts at i * this",
+    )
+    w.add_argument("--long-prompt-tokens", type=int, default=1024)
+    w.add_argument("--long-output-tokens", type=int, default=16)
+    w.add_argument(
+        "--long-start-s",
+        type=float,
+        default=2.0,
+        help="interference: first long prompt (default: %(default)s)",
+    )
+    w.add_argument(
+        "--long-every-s",
+        type=float,
+        default=4.0,
+        help="interference: then one every this (default: %(default)s)",
+    )
+    w.add_argument(
+        "--long-count",
+        type=int,
+        default=None,
+        help="interference: this many long prompts (default: until the streams finish)",
+    )
+
+    a = p.add_argument_group("arrival (fixed, dist)")
+    a.add_argument(
+        "--arrival",
+        choices=ARRIVALS,
+        default=None,
+        help="poisson at --rate (default), fixed --rate, or closed loop at --concurrency",
+    )
+    a.add_argument("--rate", type=float, default=1.0, help="requests/s (default: 1)")
+    a.add_argument("--concurrency", type=int, default=4, help="in flight (default: 4)")
+
+    o = p.add_argument_group("SLOs and output")
+    o.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=None,
+        help="goodput: a good request's TTFT is at most this",
+    )
+    o.add_argument(
+        "--slo-itl-ms",
+        type=float,
+        default=None,
+        help="goodput: every inter-token gap of a good request is at most this",
+    )
+    o.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="write config, every request's record (all token times) and the summaries",
+    )
+    o.add_argument(
+        "--plot-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write itl_over_time.png and latency_cdf.png here",
+    )
+    o.add_argument("--label", default="run", help="this run's name in the plots")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def arrival_from_args(args: argparse.Namespace) -> Arrival:
+    """The arrival pattern the flags ask for; ``ValueError`` when they do not fit."""
+    if args.workload == "interference":
+        if args.arrival is not None:
+            raise ValueError("the interference workload follows its own schedule: drop --arrival")
+        return Schedule()
+    kind = args.arrival or "poisson"
+    if kind == "poisson":
+        return Poisson(args.rate, args.seed)
+    if kind == "rate":
+        return FixedRate(args.rate)
+    return Concurrency(args.concurrency)
+
+
+def workload_from_args(args: argparse.Namespace) -> tuple[list[RequestSpec], dict[str, Any]]:
+    """The requests the flags describe, and the workload's config for the JSON."""
+    from bench.serve import workload as wl
+
+    tokenizer = wl.default_tokenizer(args.tokenizer)
+    chat = args.endpoint == "chat"
+    common = {"seed": args.seed, "chat": chat}
+    params: dict[str, Any]
+    if args.workload == "fixed":
+        params = {
+            "num_requests": args.num_requests,
+            "prompt_tokens": args.prompt_tokens,
+            "output_tokens": args.output_tokens,
+        }
+        specs = wl.build_fixed(tokenizer, **params, **common)
+    elif args.workload == "dist":
+        (plo, phi), (olo, ohi) = args.prompt_range, args.output_range
+        prompt_dist: wl.LengthDist
+        output_dist: wl.LengthDist
+        if args.dist == "uniform":
+            prompt_dist, output_dist = wl.Uniform(plo, phi), wl.Uniform(olo, ohi)
+        else:
+            prompt_dist = wl.LogNormal(args.prompt_tokens, args.sigma, plo, phi)
+            output_dist = wl.LogNormal(args.output_tokens, args.sigma, olo, ohi)
+        specs = wl.build_dist(
+            tokenizer,
+            num_requests=args.num_requests,
+            prompt_dist=prompt_dist,
+            output_dist=output_dist,
+            **common,
+        )
+        params = {
+            "num_requests": args.num_requests,
+            "prompt_dist": vars(prompt_dist),
+            "output_dist": vars(output_dist),
+            "dist": args.dist,
+        }
+    else:
+        params = {
+            "streams": args.streams,
+            "stream_prompt_tokens": args.stream_prompt_tokens,
+            "stream_output_tokens": args.stream_output_tokens,
+            "stream_stagger_s": args.stream_stagger_s,
+            "long_prompt_tokens": args.long_prompt_tokens,
+            "long_output_tokens": args.long_output_tokens,
+            "long_start_s": args.long_start_s,
+            "long_every_s": args.long_every_s,
+            "long_count": args.long_count,
+        }
+        specs = wl.build_interference(tokenizer, **params, **common)
+    config = {
+        "workload": args.workload,
+        **params,
+        "seed": args.seed,
+        "tokenizer": str(args.tokenizer) if args.tokenizer else "default",
+    }
+    return specs, config
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark the flags describe; print the summary table; write JSON and plots.
+
+    Returns 0 when at least one request succeeded, 1 when none did, 2 for bad flags.
+    """
+    import aiohttp
+
+    from bench._common import write_json
+    from bench.serve.metrics import Slo, summarize_by_tag
+    from bench.serve.report import summary_table
+    from bench.serve.runner import run_benchmark
+
+    try:
+        arrival = arrival_from_args(args)
+        specs, workload_config = workload_from_args(args)
+    except ValueError as exc:
+        print(f"pdserve bench: {exc}", file=sys.stderr)
+        return 2
+    slo = None
+    if args.slo_ttft_ms is not None or args.slo_itl_ms is not None:
+        slo = Slo(ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms)
+    try:
+        result = asyncio.run(
+            run_benchmark(
+                args.base_url,
+                specs,
+                model=args.model,
+                arrival=arrival,
+                timeout_s=args.timeout_s,
+                progress=not args.no_progress,
+                endpoint=args.endpoint,
+                prompt_format=args.prompt_format,
+                ignore_eos=args.ignore_eos,
+                config={**workload_config, "slo": vars(slo) if slo else None},
+            )
+        )
+    except ValueError as exc:
+        print(f"pdserve bench: {exc}", file=sys.stderr)
+        return 2
+    except (aiohttp.ClientError, OSError, RuntimeError, TimeoutError) as exc:
+        print(f"pdserve bench: {args.base_url}: {exc or type(exc).__name__}", file=sys.stderr)
+        return 1
+    summaries = summarize_by_tag(result, slo)
+    cfg = result.config
+    dropped = f", {cfg['dropped']} not sent (scheduled after the streams finished)"
+    print(
+        f"model {cfg['model']} at {args.base_url} ({args.endpoint}), workload {args.workload}: "
+        f"{len(result.records)} requests in {result.duration_s:.2f} s"
+        + (dropped if cfg["dropped"] else "")
+    )
+    print(summary_table(summaries))
+    errors = sorted({r.error for r in result.records if r.error})
+    for err in errors[:5]:
+        print(f"failed: {err}")
+    if args.json is not None:
+        write_json(
+            args.json,
+            {**result.to_dict(), "summaries": {k: s.to_dict() for k, s in summaries.items()}},
+        )
+        print(f"wrote {args.json}")
+    if args.plot_dir is not None:
+        from bench.serve.plots import plot_cdfs, plot_itl_over_time
+
+        plot_itl_over_time({args.label: result}, args.plot_dir / "itl_over_time.png")
+        plot_cdfs({args.label: result}, args.plot_dir / "latency_cdf.png")
+        print(f"wrote plots to {args.plot_dir}")
+    return 0 if any(r.ok for r in result.records) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_bench_flags(p)
+    return p

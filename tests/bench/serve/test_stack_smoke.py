@@ -1,0 +1,65 @@
+"""``pdserve bench`` end to end: 3 requests against the real local stack (redis-server,
+scheduler, one prefill and one decode worker, gateway, real model) started by ``pdserve
+up``'s launcher; the JSON must hold 3 successful requests of the asked lengths."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.launcher import Stack, free_port
+from services.up import add_up_flags, launch
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+PROMPT_TOKENS = 32
+OUTPUT_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def gateway_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    parser = argparse.ArgumentParser()
+    add_up_flags(parser)
+    args = parser.parse_args(
+        ["--prefill", "1", "--decode", "1", "--kv-cache-mib", "64",
+         "--http-port", str(free_port()), "--grpc-port", str(free_port())]
+    )  # fmt: skip
+    stack = Stack(log_dir=tmp_path_factory.mktemp("stack"))
+    try:
+        yield launch(args, stack)["http"]
+    finally:
+        stack.stop()
+
+
+def test_pdserve_bench_against_the_real_stack(gateway_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable, "-m", "services.cli", "bench", "--base-url", gateway_url,
+        "--workload", "fixed", "--num-requests", "3", "--prompt-tokens", str(PROMPT_TOKENS),
+        "--output-tokens", str(OUTPUT_TOKENS), "--arrival", "concurrency", "--concurrency", "3",
+        "--timeout-s", "120", "--json", str(out), "--no-progress",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    records = data["records"]
+    assert len(records) == 3
+    for r in records:
+        assert r["error"] is None and r["status"] == 200, r
+        assert r["prompt_tokens"] == PROMPT_TOKENS
+        assert r["completion_tokens"] == OUTPUT_TOKENS  # ignore_eos: the asked length
+        assert r["finish_reason"] == "length"
+        times = r["token_times_s"]
+        assert 1 <= len(times) <= OUTPUT_TOKENS
+        assert 0 <= r["send_s"] < times[0]
+        assert times == sorted(times) and times[-1] <= r["end_s"]
+    summary = data["summaries"]["all"]
+    assert (summary["num_ok"], summary["num_failed"]) == (3, 0)
+    assert summary["total_output_tokens"] == 3 * OUTPUT_TOKENS
+    assert summary["ttft_ms"]["p50"] > 0 and summary["output_throughput"] > 0
+    assert "| all | 3 | 0 |" in proc.stdout
