@@ -1,0 +1,387 @@
+"""The interference experiment: does disaggregation keep decode ITL flat under long prompts?
+
+One command runs the same mixed workload (``bench.serve.workload.build_interference``:
+steady decode streams plus long prompts arriving on a schedule) against, in turn:
+
+  colocated           one colocated worker, both cores (``pdserve up --colocated``)
+  colocated-chunked   the same with chunked prefill (``--chunked-prefill``)
+  disaggregated       one prefill worker pinned to one core, one decode worker pinned to
+                      the other (``pdserve up --prefill 1 --decode 1 --pin``)
+  llama.cpp           optional (``--peer``): llama.cpp's ``llama-server`` on both cores with
+                      parallel slots, on the same GGUF (benchmark-only; built by
+                      ``python -m bench.peers.llama_server build``)
+
+Every pdserve mode runs behind the same gateway and scheduler, so the only difference is
+where prefill runs. Each stack gets an untimed warm-up (one stream and one long prompt)
+before the measured run. ITL figures are over the steady streams' inter-token gaps
+(tag ``stream``); TTFT figures over every request, and over the long prompts alone.
+
+It prints one side-by-side table, checks the issue's targets, writes the JSON of every run
+and the plots (ITL over time per mode with the long-prompt arrivals marked; latency CDFs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench._common import machine_info
+
+MODES = ("colocated", "colocated-chunked", "disaggregated")
+PEER = "llama.cpp"
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One way to serve the workload: a name and the ``pdserve up`` flags (or the peer)."""
+
+    name: str
+    up_flags: tuple[str, ...] = ()
+    peer: bool = False
+    describe: str = ""
+
+
+def modes_for(args: argparse.Namespace) -> list[Mode]:
+    threads = str(args.threads)
+    common = ("--kv-cache-mib", str(args.kv_cache_mib), "--max-num-seqs", "64")
+    colocated = ("--colocated", "--threads-per-worker", threads, *common)
+    chunked = ("--chunked-prefill", str(args.chunk))
+    disaggregated = ("--prefill", "1", "--decode", "1", "--pin", "--threads-per-worker", "1")
+    transport = ("--transport", args.transport)
+    table = {
+        "colocated": Mode(
+            "colocated",
+            colocated,
+            describe=f"one colocated worker, {threads} threads, no chunking",
+        ),
+        "colocated-chunked": Mode(
+            "colocated-chunked",
+            (*colocated, *chunked),
+            describe=f"one colocated worker, {threads} threads, chunks of {args.chunk} tokens",
+        ),
+        "disaggregated": Mode(
+            "disaggregated",
+            (*disaggregated, *transport, *common),
+            describe=f"1 prefill (core 0) + 1 decode (core 1), 1 thread each, {args.transport}",
+        ),
+        PEER: Mode(
+            PEER,
+            peer=True,
+            describe=f"llama-server, {threads} threads, {args.streams + 1} parallel slots",
+        ),
+    }
+    names = list(args.modes) + ([PEER] if args.peer and PEER not in args.modes else [])
+    return [table[n] for n in names]
+
+
+@dataclass
+class ModeRun:
+    mode: Mode
+    result: Any  # bench.serve.runner.BenchResult
+    summaries: dict[str, Any] = field(default_factory=dict)  # tag -> Summary dict
+    error: str | None = None
+
+
+# ---- starting what serves ------------------------------------------------------------------
+
+
+@contextmanager
+def pdserve_stack(mode: Mode, log_dir: Path) -> Iterator[str]:
+    """``pdserve up`` with the mode's flags (same code path); yields the OpenAI base URL."""
+    from services.launcher import Stack, free_port
+    from services.up import add_up_flags, launch
+
+    parser = argparse.ArgumentParser()
+    add_up_flags(parser)
+    up_args = parser.parse_args(
+        [*mode.up_flags, "--http-port", str(free_port()), "--grpc-port", str(free_port())]
+    )
+    stack = Stack(log_dir=log_dir)
+    try:
+        endpoints = launch(up_args, stack)
+        yield endpoints["http"].removesuffix("/v1")
+    finally:
+        stack.stop()
+
+
+@contextmanager
+def peer_server(args: argparse.Namespace, log_dir: Path) -> Iterator[str]:
+    from bench.peers import llama_server
+    from engine.checkpoint import default_model_path
+    from services.launcher import free_port
+
+    port = free_port()
+    handle = llama_server.start(
+        args.model or default_model_path(),
+        port=port,
+        host="127.0.0.1",
+        parallel=args.streams + 1,
+        ctx_size=llama_server.ctx_size_for(
+            args.streams + 1, args.long_prompt_tokens + max(args.stream_output_tokens, 16)
+        ),
+        threads=args.threads,
+        cpus=None,
+        log_path=log_dir / "llama-server.log",
+    )
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        handle.stop()
+
+
+# ---- one run ------------------------------------------------------------------------------
+
+
+def run_mode(mode: Mode, args: argparse.Namespace, tokenizer: Any, log_dir: Path) -> ModeRun:
+    from bench.serve.runner import run_benchmark
+    from bench.serve.workload import build_interference
+
+    requests = build_interference(
+        tokenizer,
+        streams=args.streams,
+        stream_prompt_tokens=args.stream_prompt_tokens,
+        stream_output_tokens=args.stream_output_tokens,
+        long_prompt_tokens=args.long_prompt_tokens,
+        long_output_tokens=args.long_output_tokens,
+        long_start_s=args.long_start_s,
+        long_every_s=args.long_every_s,
+        long_count=args.long_count,
+        seed=args.seed,
+    )
+    warmup = build_interference(
+        tokenizer,
+        streams=1,
+        stream_prompt_tokens=args.stream_prompt_tokens,
+        stream_output_tokens=8,
+        long_prompt_tokens=args.long_prompt_tokens,
+        long_output_tokens=2,
+        long_start_s=0.0,
+        long_every_s=1.0,
+        long_count=1,
+        seed=args.seed + 1,
+    )
+    server = peer_server(args, log_dir) if mode.peer else pdserve_stack(mode, log_dir)
+    with server as base_url:
+        asyncio.run(run_benchmark(base_url, warmup, timeout_s=args.timeout_s, progress=False))
+        _wait_quiet(args.max_load, args.quiet_timeout_s)
+        result = asyncio.run(
+            run_benchmark(base_url, requests, timeout_s=args.timeout_s, progress=args.progress)
+        )
+    return ModeRun(mode, result)
+
+
+def _wait_quiet(max_load: float, timeout_s: float) -> None:
+    """Wait (bounded) until the 1-minute load average drops under ``max_load``."""
+    if max_load <= 0:
+        return
+    deadline = time.monotonic() + timeout_s
+    while os.getloadavg()[0] > max_load and time.monotonic() < deadline:
+        time.sleep(2.0)
+
+
+# ---- the table ----------------------------------------------------------------------------
+
+
+def summarize_runs(runs: Sequence[ModeRun], slo: Any) -> None:
+    from bench.serve.metrics import summarize
+
+    for run in runs:
+        for tag in (None, "stream", "long"):
+            run.summaries[tag or "all"] = summarize(run.result, slo, tag=tag).to_dict()
+
+
+def _ms(x: float | None) -> str:
+    return "—" if x is None else f"{x:.0f}"
+
+
+def _stat(summary: dict[str, Any], metric: str, stat: str) -> float | None:
+    return summary.get(metric, {}).get(stat)
+
+
+def table_rows(runs: Sequence[ModeRun]) -> list[dict[str, Any]]:
+    """One row of figures per mode (milliseconds and ratios, not yet formatted)."""
+    rows = []
+    for run in runs:
+        every, streams, longs = run.summaries["all"], run.summaries["stream"], run.summaries["long"]
+        itl50, itl99 = _stat(streams, "itl_ms", "p50"), _stat(streams, "itl_ms", "p99")
+        rows.append({
+            "mode": run.mode.name,
+            "ttft_p50": _stat(every, "ttft_ms", "p50"),
+            "ttft_p99": _stat(every, "ttft_ms", "p99"),
+            "long_ttft_p50": _stat(longs, "ttft_ms", "p50"),
+            "itl_p50": itl50,
+            "itl_p99": itl99,
+            "itl_ratio": (itl99 / itl50) if itl50 and itl99 else None,
+            "itl_max": _stat(streams, "itl_ms", "max"),
+            "req_per_s": every.get("request_throughput"),
+            "tok_per_s": every.get("output_throughput"),
+            "goodput": every.get("goodput"),
+            "good_fraction": every.get("good_fraction"),
+            "failed": every.get("num_failed", 0),
+        })  # fmt: skip
+    return rows
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    head = (
+        "| mode | TTFT P50 ms | TTFT P99 ms | long TTFT P50 ms | ITL P50 ms | ITL P99 ms "
+        "| P99/P50 ITL | max ITL ms | req/s | out tok/s | goodput req/s (good) | failed |"
+    )
+    lines = [head, "|" + "---|" * 12]
+    for r in rows:
+        ratio = "—" if r["itl_ratio"] is None else f"{r['itl_ratio']:.2f}"
+        good = "—" if r["goodput"] is None else f"{r['goodput']:.3f} ({r['good_fraction']:.0%})"
+        lines.append(
+            f"| {r['mode']} | {_ms(r['ttft_p50'])} | {_ms(r['ttft_p99'])} "
+            f"| {_ms(r['long_ttft_p50'])} | {_ms(r['itl_p50'])} | {_ms(r['itl_p99'])} "
+            f"| {ratio} | {_ms(r['itl_max'])} | {r['req_per_s']:.3f} | {r['tok_per_s']:.1f} "
+            f"| {good} | {r['failed']} |"
+        )
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    measured: str
+    target: str
+    passed: bool
+
+
+def check_targets(rows: Sequence[dict[str, Any]]) -> list[Check]:
+    """The issue's targets, from one run's rows (only those whose modes ran)."""
+    by = {r["mode"]: r for r in rows}
+    out: list[Check] = []
+    dis, col = by.get("disaggregated"), by.get("colocated")
+    if dis and dis["itl_ratio"] is not None:
+        out.append(Check("disaggregated P99/P50 ITL", f"{dis['itl_ratio']:.2f}", "≤ 1.3",
+                         dis["itl_ratio"] <= 1.3))  # fmt: skip
+    if col and col["itl_ratio"] is not None:
+        out.append(Check("colocated P99/P50 ITL", f"{col['itl_ratio']:.2f}", "≥ 5",
+                         col["itl_ratio"] >= 5.0))  # fmt: skip
+    if dis and col and dis["itl_p99"] and col["itl_p99"]:
+        r = dis["itl_p99"] / col["itl_p99"]
+        out.append(Check("disaggregated P99 ITL ÷ colocated P99 ITL", f"{r:.2f}", "≤ 0.33",
+                         r <= 1 / 3))  # fmt: skip
+    if dis and col and dis["ttft_p99"] and col["ttft_p99"]:
+        r = dis["ttft_p99"] / col["ttft_p99"]
+        out.append(Check("disaggregated P99 TTFT ÷ colocated P99 TTFT", f"{r:.2f}", "≤ 1.0",
+                         r <= 1.0))  # fmt: skip
+    return out
+
+
+def format_checks(checks: Sequence[Check]) -> str:
+    return "\n".join(
+        f"  {'PASS' if c.passed else 'MISS'}  {c.name}: {c.measured} (target {c.target})"
+        for c in checks
+    )
+
+
+# ---- command line -------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.interference",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--peer", action="store_true", help="also run llama.cpp's llama-server")
+    p.add_argument("--streams", type=int, default=8, help="steady decode streams")
+    p.add_argument("--stream-prompt-tokens", type=int, default=32)
+    p.add_argument("--stream-output-tokens", type=int, default=256)
+    p.add_argument("--long-prompt-tokens", type=int, default=1024)
+    p.add_argument("--long-output-tokens", type=int, default=16)
+    p.add_argument("--long-start-s", type=float, default=3.0, help="first long prompt at")
+    p.add_argument("--long-every-s", type=float, default=4.0, help="then one every")
+    p.add_argument("--long-count", type=int, default=5, help="long prompts in all")
+    p.add_argument("--threads", type=int, default=2, help="threads of a colocated worker")
+    p.add_argument("--chunk", type=int, default=128, help="colocated-chunked: chunk tokens")
+    p.add_argument("--transport", default="shm", choices=("shm", "tcp"))
+    p.add_argument("--kv-cache-mib", type=int, default=256)
+    p.add_argument("--model", default=None, help="GGUF (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--slo-ttft-ms", type=float, default=4000.0)
+    p.add_argument("--slo-itl-ms", type=float, default=200.0)
+    p.add_argument("--timeout-s", type=float, default=300.0, help="deadline per request")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-load", type=float, default=1.0,
+                   help="before each measured run wait until the 1-min load is below this "
+                   "(0: don't wait)")  # fmt: skip
+    p.add_argument("--quiet-timeout-s", type=float, default=120.0)
+    p.add_argument("--json", type=Path, default=None, help="write every run's records here")
+    p.add_argument("--plot-dir", type=Path, default=None, help="write the PNG plots here")
+    p.add_argument("--log-dir", type=Path, default=None, help="service logs (default: tmp)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, *, out: Callable[[str], None] = print) -> int:
+    args = build_parser().parse_args(argv)
+    from bench.serve.metrics import Slo
+    from bench.serve.plots import plot_cdfs, plot_itl_over_time
+    from bench.serve.workload import default_tokenizer
+    from services.launcher import default_log_dir
+
+    if args.peer:
+        from bench.peers import llama_server
+
+        if not llama_server.binary_path().exists():
+            out("llama-server is not built: python -m bench.peers.llama_server build")
+            return 2
+    tokenizer = default_tokenizer()
+    log_root = args.log_dir or default_log_dir()
+    slo = Slo(ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms)
+    started = time.time()
+    runs: list[ModeRun] = []
+    for mode in modes_for(args):
+        out(f"== {mode.name}: {mode.describe}")
+        log_dir = log_root / mode.name
+        log_dir.mkdir(parents=True, exist_ok=True)
+        runs.append(run_mode(mode, args, tokenizer, log_dir))
+    summarize_runs(runs, slo)
+    rows = table_rows(runs)
+    checks = check_targets(rows)
+    out("")
+    out(format_table(rows))
+    out("")
+    out(format_checks(checks))
+    if args.plot_dir:
+        args.plot_dir.mkdir(parents=True, exist_ok=True)
+        results = {r.mode.name: r.result for r in runs}
+        plot_itl_over_time(results, args.plot_dir / "interference-itl.png")
+        plot_cdfs(results, args.plot_dir / "interference-cdf.png")
+        out(f"plots: {args.plot_dir}/interference-itl.png, interference-cdf.png")
+    if args.json:
+        doc = {
+            "command": " ".join(["python -m bench.interference", *(argv or sys.argv[1:])]),
+            "machine": machine_info(),
+            "started": started,
+            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "modes": {
+                r.mode.name: {
+                    "describe": r.mode.describe,
+                    "summaries": r.summaries,
+                    "result": r.result.to_dict(),
+                }
+                for r in runs
+            },
+            "rows": rows,
+            "checks": [c.__dict__ for c in checks],
+        }
+        args.json.write_text(json.dumps(doc, indent=1))
+        out(f"json: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

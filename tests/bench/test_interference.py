@@ -1,0 +1,83 @@
+"""bench/interference.py: the table and the target checks from known runs; the modes' flags
+parse with ``pdserve up``'s own parser."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench import interference
+from bench.serve.metrics import Slo
+from bench.serve.result import BenchResult, RequestRecord
+from services.up import add_up_flags
+
+
+def _stream(index: int, ttft: float, gaps: list[float]) -> RequestRecord:
+    times = [ttft]
+    for g in gaps:
+        times.append(times[-1] + g)
+    return RequestRecord(
+        index=index, tag="stream", send_s=0.0, end_s=times[-1], token_times_s=tuple(times),
+        prompt_tokens=32, completion_tokens=len(times), output_tokens_asked=len(times),
+        status=200,
+    )  # fmt: skip
+
+
+def _long(index: int, send: float, ttft: float) -> RequestRecord:
+    return RequestRecord(
+        index=index, tag="long", send_s=send, end_s=send + ttft + 0.1,
+        token_times_s=(send + ttft, send + ttft + 0.1), prompt_tokens=1024,
+        completion_tokens=2, output_tokens_asked=2, status=200,
+    )  # fmt: skip
+
+
+def _run(name: str, gaps: list[float], long_ttft: float) -> interference.ModeRun:
+    records = (_stream(0, 0.1, gaps), _stream(1, 0.1, gaps), _long(2, 1.0, long_ttft))
+    result = BenchResult(records=records, duration_s=10.0)
+    return interference.ModeRun(interference.Mode(name), result)
+
+
+def test_rows_and_checks_from_known_runs() -> None:
+    # colocated: 99 gaps of 50 ms and one 1 s stall per stream -> P50 50 ms; the P99 of 200
+    # gaps (rank 197.01 of 0..199) interpolates 1% of the way from 50 ms to 1,000 ms.
+    colocated = _run("colocated", [0.05] * 99 + [1.0], long_ttft=1.5)
+    # disaggregated: flat 60 ms gaps, long prompt TTFT 2.0 s (slower: one core for prefill)
+    disaggregated = _run("disaggregated", [0.06] * 100, long_ttft=2.0)
+    runs = [colocated, disaggregated]
+    interference.summarize_runs(runs, Slo(ttft_ms=1800.0, itl_ms=200.0))
+    rows = {r["mode"]: r for r in interference.table_rows(runs)}
+    col, dis = rows["colocated"], rows["disaggregated"]
+    assert col["itl_p50"] == pytest.approx(50.0)
+    assert col["itl_p99"] == pytest.approx(50.0 + 0.01 * 950.0)
+    assert col["itl_max"] == pytest.approx(1000.0)
+    assert dis["itl_ratio"] == pytest.approx(1.0)
+    assert dis["long_ttft_p50"] == pytest.approx(2000.0)
+    # goodput: colocated streams each have a 1 s gap (> 200 ms): only its long request is
+    # good; disaggregated: both streams good, the long one's 2 s TTFT misses 1.8 s.
+    assert col["goodput"] == pytest.approx(1 / 10.0)
+    assert dis["goodput"] == pytest.approx(2 / 10.0)
+    checks = {c.name: c for c in interference.check_targets(list(rows.values()))}
+    assert checks["disaggregated P99/P50 ITL"].passed
+    assert not checks["colocated P99/P50 ITL"].passed  # 59.5 / 50 = 1.19 < 5
+    assert checks["disaggregated P99 TTFT ÷ colocated P99 TTFT"].passed is False
+    table = interference.format_table(list(rows.values()))
+    assert table.splitlines()[2].startswith("| colocated | 100 |")
+    assert "MISS" in interference.format_checks(list(checks.values()))
+
+
+def test_every_mode_parses_with_pdserve_up_flags() -> None:
+    args = interference.build_parser().parse_args(["--peer"])
+    parser = argparse.ArgumentParser()
+    add_up_flags(parser)
+    modes = interference.modes_for(args)
+    assert [m.name for m in modes] == [*interference.MODES, interference.PEER]
+    for mode in modes:
+        if mode.peer:
+            continue
+        up = parser.parse_args(list(mode.up_flags))
+        assert up.colocated == mode.name.startswith("colocated")
+    chunked = parser.parse_args(list(modes[1].up_flags))
+    assert chunked.chunked_prefill == args.chunk
+    disagg = parser.parse_args(list(modes[2].up_flags))
+    assert (disagg.prefill, disagg.decode, disagg.pin, disagg.threads_per_worker) == (1, 1, True, 1)
