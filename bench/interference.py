@@ -6,7 +6,8 @@ steady decode streams plus long prompts arriving on a schedule) against, in turn
   colocated           one colocated worker, both cores (``pdserve up --colocated``)
   colocated-chunked   the same with chunked prefill (``--chunked-prefill``)
   disaggregated       one prefill worker pinned to one core, one decode worker pinned to
-                      the other (``pdserve up --prefill 1 --decode 1 --pin``)
+                      the other (``pdserve up --prefill 1 --decode 1 --pin``); redis, the
+                      scheduler and the gateway on the prefill worker's core
   llama.cpp           optional (``--peer``): llama.cpp's ``llama-server`` on both cores with
                       parallel slots, on the same GGUF (benchmark-only; built by
                       ``python -m bench.peers.llama_server build``)
@@ -55,7 +56,11 @@ def modes_for(args: argparse.Namespace) -> list[Mode]:
     common = ("--kv-cache-mib", str(args.kv_cache_mib), "--max-num-seqs", "64")
     colocated = ("--colocated", "--threads-per-worker", threads, *common)
     chunked = ("--chunked-prefill", str(args.chunk))
+    first_core = str(min(os.sched_getaffinity(0)))
     disaggregated = ("--prefill", "1", "--decode", "1", "--pin", "--threads-per-worker", "1")
+    # redis, scheduler and gateway share the prefill worker's core: the decode core is the
+    # decode worker's alone (a colocated worker has no core to spare, so there they float).
+    disaggregated += ("--control-cpus", first_core)
     transport = ("--transport", args.transport)
     table = {
         "colocated": Mode(
@@ -71,7 +76,8 @@ def modes_for(args: argparse.Namespace) -> list[Mode]:
         "disaggregated": Mode(
             "disaggregated",
             (*disaggregated, *transport, *common),
-            describe=f"1 prefill (core 0) + 1 decode (core 1), 1 thread each, {args.transport}",
+            describe=f"1 prefill + 1 decode, a core and 1 thread each, {args.transport}; "
+            "control plane on the prefill core",
         ),
         PEER: Mode(
             PEER,

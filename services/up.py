@@ -36,6 +36,9 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-port", type=int, default=0, help="redis-server port (0: free)")
     p.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker")
     p.add_argument("--pin", action="store_true", help="pin each worker to its own CPU core")
+    p.add_argument("--control-cpus", type=_cpu_list, default=None, metavar="CPUS",
+                   help="pin redis, the scheduler and the gateway to these cores "
+                   "(comma list, e.g. 0; default: not pinned)")  # fmt: skip
     p.add_argument("--kv-cache-mib", type=int, default=512, help="KV pool per worker")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--chunked-prefill", type=int, default=0, metavar="TOKENS",
@@ -47,6 +50,18 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
                    metavar="QUESTION",
                    help="send one streaming chat request through the gateway, print the "
                    "answer and stop")  # fmt: skip
+
+
+def _cpu_list(text: str) -> set[int]:
+    """``"0,2"`` -> ``{0, 2}``; every core must be one this process may run on."""
+    try:
+        cores = {int(c) for c in text.split(",") if c.strip()}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of core numbers: {text!r}") from None
+    allowed = os.sched_getaffinity(0)
+    if not cores or not cores <= allowed:
+        raise argparse.ArgumentTypeError(f"cores {text!r} are not within {sorted(allowed)}")
+    return cores
 
 
 def _engine_args(args: argparse.Namespace) -> list[str]:
@@ -61,13 +76,16 @@ def launch(args: argparse.Namespace, stack: Stack) -> dict[str, str]:
     """Start everything and wait until it serves; returns the endpoints."""
     workdir = stack.log_dir
     redis_port = args.redis_port or free_port()
-    stack.start(redis_proc(redis_port, workdir), ready_line="Ready to accept connections")
+    control = args.control_cpus
+    redis = redis_proc(redis_port, workdir)
+    redis.cpus = control
+    stack.start(redis, ready_line="Ready to accept connections")
     sched_port = args.scheduler_port or free_port()
     sched = stack.start(Proc("scheduler", py(
         "services.scheduler", "--grpc-host", args.host, "--grpc-port", str(sched_port),
         "--metrics-port", "0", "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
         "--heartbeat-ttl", str(args.heartbeat_ttl),
-    )))  # fmt: skip
+    ), control))  # fmt: skip
     stack.wait_ready(stack.procs)
     cores = sorted(os.sched_getaffinity(0))
     slot = 0
@@ -115,7 +133,7 @@ def launch(args: argparse.Namespace, stack: Stack) -> dict[str, str]:
     if args.model:
         gw += ["--model", args.model]
     stack.wait_ready(workers)
-    gateway = stack.start(Proc("gateway", py("services.gateway", *gw)))
+    gateway = stack.start(Proc("gateway", py("services.gateway", *gw), control))
     stack.wait_ready([gateway])
     _wait_placeable(args, gateway.address)
     return {

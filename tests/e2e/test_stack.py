@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import urllib.request
 
@@ -41,7 +42,7 @@ def stack(tmp_path_factory):
     args = parser.parse_args(
         ["--prefill", "2", "--decode", "2", "--transport", "shm,tcp", "--kv-cache-mib", "96",
          "--http-port", str(free_port()), "--grpc-port", str(free_port()),
-         "--heartbeat-ttl", "2"]
+         "--heartbeat-ttl", "2", "--pin", "--control-cpus", "0"]
     )  # fmt: skip
     st = Stack(log_dir=tmp_path_factory.mktemp("stack"))
     try:
@@ -85,6 +86,20 @@ async def _chat(client, model: str, q: str, max_tokens: int = MAX_TOKENS) -> tup
             text.append(chunk.choices[0].delta.content or "")
             reason = chunk.choices[0].finish_reason or reason
     return "".join(text), reason
+
+
+def test_pinning_puts_each_worker_on_its_core_and_the_control_plane_on_core_0(stack) -> None:
+    st, _ = stack
+    cores = sorted(os.sched_getaffinity(0))
+    workers = [p for p in st.procs if p.name.startswith(("prefill-", "decode-"))]
+    assert [p.name for p in workers] == ["prefill-0", "prefill-1", "decode-0", "decode-1"]
+    for i, p in enumerate(workers):
+        assert p.popen is not None
+        assert os.sched_getaffinity(p.popen.pid) == {cores[i % len(cores)]}, p.name
+    for p in st.procs:
+        if p.name in ("redis", "scheduler", "gateway"):
+            assert p.popen is not None
+            assert os.sched_getaffinity(p.popen.pid) == {0}, p.name
 
 
 @pytest.fixture(scope="module")
