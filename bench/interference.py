@@ -132,7 +132,9 @@ def peer_server(args: argparse.Namespace, log_dir: Path) -> Iterator[str]:
         host="127.0.0.1",
         parallel=args.streams + 1,
         ctx_size=llama_server.ctx_size_for(
-            args.streams + 1, args.long_prompt_tokens + max(args.stream_output_tokens, 16)
+            args.streams + 1,
+            prompt_tokens=max(args.long_prompt_tokens, args.stream_prompt_tokens),
+            output_tokens=max(args.stream_output_tokens, args.long_output_tokens),
         ),
         threads=args.threads,
         cpus=None,
@@ -341,7 +343,8 @@ def main(argv: Sequence[str] | None = None, *, out: Callable[[str], None] = prin
     if args.peer:
         from bench.peers import llama_server
 
-        if not llama_server.binary_path().exists():
+        binary = llama_server.BuildLayout(llama_server.default_cache_dir()).binary
+        if not binary.exists():
             out("llama-server is not built: python -m bench.peers.llama_server build")
             return 2
     tokenizer = default_tokenizer()
