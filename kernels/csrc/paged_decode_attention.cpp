@@ -38,81 +38,163 @@ inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-#ifdef PDSERVE_AVX2
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_hadd_ps(lo, lo);
-  lo = _mm_hadd_ps(lo, lo);
-  return _mm_cvtss_f32(lo);
-}
-#endif
 
-// scores[g] = <q[g], k> for the G query heads of one kv head: k is loaded once.
-inline void group_dots(const float* __restrict q, const float* __restrict k, int64_t G,
-                       int64_t D, float* __restrict out) {
 #ifdef PDSERVE_AVX2
-  if (D % 8 == 0) {
-    int64_t g = 0;
-    for (; g + 3 <= G; g += 3) {  // three independent FMA chains hide FMA latency
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps();
-      const float *q0 = q + g * D, *q1 = q0 + D, *q2 = q1 + D;
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 kv = _mm256_loadu_ps(k + d);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), kv, a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d), kv, a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + d), kv, a2);
-      }
-      out[g] = hsum(a0);
-      out[g + 1] = hsum(a1);
-      out[g + 2] = hsum(a2);
-    }
-    for (; g < G; ++g) out[g] = dot(q + g * D, k, D);
-    return;
+// exp(x) for 8 lanes: Cephes' range reduction x = n ln2 + r and a degree-6 polynomial for
+// e^r (about 1 ulp); inputs below -88.38 flush to 0, as softmax wants for x - max.
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-88.3762626647949f), hi = _mm256_set1_ps(88.3762626647949f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  __m256 n = _mm256_floor_ps(
+      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x);
+  y = _mm256_add_ps(y, _mm256_set1_ps(1.f));
+  __m256i e = _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127));
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+  return _mm256_andnot_ps(under, y);
+}
+
+// The 8 horizontal sums of a0..a7, as one vector (lane j = sum of aj).
+inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                    __m256 a6, __m256 a7) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+// out[j] = <q, k_j> for the 8 rows k_j = k + j * stride (D a multiple of 8).
+inline void dots8(const float* __restrict q, const float* __restrict k, int64_t stride,
+                  int64_t D, float* __restrict out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    const float* kd = k + d;
+    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kd), a0);
+    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kd + stride), a1);
+    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kd + 2 * stride), a2);
+    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kd + 3 * stride), a3);
+    a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kd + 4 * stride), a4);
+    a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kd + 5 * stride), a5);
+    a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kd + 6 * stride), a6);
+    a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kd + 7 * stride), a7);
   }
-#endif
-  for (int64_t g = 0; g < G; ++g) out[g] = dot(q + g * D, k, D);
+  _mm256_storeu_ps(out, hsum8(a0, a1, a2, a3, a4, a5, a6, a7));
 }
 
-// o[g] += p[g] * v for the G query heads of one kv head: v is loaded once.
-inline void group_axpy(float* __restrict o, const float* __restrict p,
-                       const float* __restrict v, int64_t G, int64_t D) {
-#ifdef PDSERVE_AVX2
-  if (D % 8 == 0) {
-    for (int64_t d = 0; d < D; d += 8) {
-      const __m256 vv = _mm256_loadu_ps(v + d);
-      for (int64_t g = 0; g < G; ++g) {
-        float* og = o + g * D + d;
-        _mm256_storeu_ps(og, _mm256_fmadd_ps(_mm256_set1_ps(p[g]), vv, _mm256_loadu_ps(og)));
-      }
-    }
-    return;
+// acc[0..NV) += p * v[0 .. 8 NV) over the rows of one block, accumulators in registers.
+template <int NV>
+inline void weighted_rows(const float* __restrict p, const float* __restrict v, int64_t stride,
+                          int64_t rows, __m256* __restrict acc) {
+  __m256 a[NV];
+  for (int c = 0; c < NV; ++c) a[c] = acc[c];
+  for (int64_t j = 0; j < rows; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const float* vj = v + j * stride;
+    for (int c = 0; c < NV; ++c) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), a[c]);
   }
-#endif
-  for (int64_t g = 0; g < G; ++g) axpy(o + g * D, p[g], v, D);
+  for (int c = 0; c < NV; ++c) acc[c] = a[c];
 }
+#endif
 
-// In-place softmax of one row. The exp loop is written to be vectorised (libmvec).
+// In-place softmax of one row.
 inline void softmax(float* __restrict x, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i]);
   float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+#ifdef PDSERVE_AVX2
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sv = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+    _mm256_storeu_ps(x + i, e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sv);
+  for (float l : lanes) sum += l;
+#endif
+  for (; i < n; ++i) {
     x[i] = expf(x[i] - m);
     sum += x[i];
   }
   const float inv = 1.f / sum;
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+  for (int64_t j = 0; j < n; ++j) x[j] *= inv;
 }
 
-// Rows of one block are contiguous but blocks are scattered through the pool, so the
-// hardware prefetcher loses the stream at every block boundary: ask for the next block
-// (keys or values of all heads, block * Hkv * D floats) while this one is being used.
-inline void prefetch_block(const float* block_base, int64_t nbytes) {
-  const char* p = reinterpret_cast<const char*>(block_base);
-  for (int64_t off = 0; off < nbytes; off += 64) __builtin_prefetch(p + off);
+// One sequence, all heads: scores = q k^T * scale, softmax, out = p v.
+// Keys and values are read block by block in place; within a block the rows of one kv
+// head are `tok_stride` apart.
+void attend(const float* __restrict qb, const float* __restrict kp, const float* __restrict vp,
+            const int64_t* __restrict table, int64_t len, int64_t Hq, int64_t Hkv, int64_t D,
+            int64_t block, int64_t tok_stride, int64_t blk_stride, float scale,
+            float* __restrict ob, std::vector<float>& scores) {
+  const int64_t G = Hq / Hkv;
+  scores.resize(static_cast<size_t>(Hq * len));
+  float* s = scores.data();
+  const int64_t nblk = (len + block - 1) / block;
+  const bool vec = D % 8 == 0;
+#ifndef PDSERVE_AVX2
+  (void)vec;
+#endif
+  for (int64_t bi = 0; bi < nblk; ++bi) {
+    const int64_t t0 = bi * block, rows = std::min(block, len - t0);
+    const float* kblk = kp + table[bi] * blk_stride;
+    for (int64_t hq = 0; hq < Hq; ++hq) {
+      const float* q = qb + hq * D;
+      const float* k = kblk + (hq / G) * D;
+      float* srow = s + hq * len + t0;
+      int64_t j = 0;
+#ifdef PDSERVE_AVX2
+      if (vec)
+        for (; j + 8 <= rows; j += 8) dots8(q, k + j * tok_stride, tok_stride, D, srow + j);
+#endif
+      for (; j < rows; ++j) srow[j] = dot(q, k + j * tok_stride, D);
+    }
+  }
+  for (int64_t i = 0; i < Hq * len; ++i) s[i] *= scale;
+  for (int64_t hq = 0; hq < Hq; ++hq) softmax(s + hq * len, len);
+  std::fill(ob, ob + Hq * D, 0.f);
+#ifdef PDSERVE_AVX2
+  if (vec && D <= 64) {
+    const int nv = static_cast<int>(D / 8);
+    for (int64_t hq = 0; hq < Hq; ++hq) {
+      __m256 acc[8];
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+      const float* p = s + hq * len;
+      for (int64_t bi = 0; bi < nblk; ++bi) {
+        const int64_t t0 = bi * block, rows = std::min(block, len - t0);
+        const float* v = vp + table[bi] * blk_stride + (hq / G) * D;
+        switch (nv) {
+          case 8: weighted_rows<8>(p + t0, v, tok_stride, rows, acc); break;
+          case 4: weighted_rows<4>(p + t0, v, tok_stride, rows, acc); break;
+          case 2: weighted_rows<2>(p + t0, v, tok_stride, rows, acc); break;
+          default:
+            for (int64_t j = 0; j < rows; ++j) axpy(ob + hq * D, p[t0 + j], v + j * tok_stride, D);
+        }
+      }
+      if (nv == 8 || nv == 4 || nv == 2)
+        for (int c = 0; c < nv; ++c) _mm256_storeu_ps(ob + hq * D + 8 * c, acc[c]);
+    }
+    return;
+  }
+#endif
+  for (int64_t bi = 0; bi < nblk; ++bi) {
+    const int64_t t0 = bi * block, rows = std::min(block, len - t0);
+    const float* vblk = vp + table[bi] * blk_stride;
+    for (int64_t j = 0; j < rows; ++j)
+      for (int64_t hq = 0; hq < Hq; ++hq)
+        axpy(ob + hq * D, s[hq * len + t0 + j], vblk + j * tok_stride + (hq / G) * D, D);
+  }
 }
 
 }  // namespace
@@ -122,7 +204,6 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
                             torch::Tensor context_lens, double scale) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t block = k_pool.size(1), Hkv = k_pool.size(2);
-  const int64_t G = Hq / Hkv;
   TORCH_CHECK(Hq <= 64, "paged_decode_attention supports at most 64 query heads");
   const int64_t max_blocks = block_tables.size(1);
   const float* qp = q.data_ptr<float>();
@@ -135,39 +216,13 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   const int64_t tok_stride = Hkv * D;             // between tokens inside a block
   const int64_t blk_stride = block * tok_stride;  // between blocks
 
-  // One work item is one sequence with all its heads, so each token's key (and value)
-  // row of Hkv * D floats is read once, front to back: the hardware prefetcher streams
-  // whole blocks instead of striding through them once per head.
+  // One work item is one sequence with all its heads; its output does not depend on
+  // what else is in the batch.
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;  // [Hq, len]: head-major so the softmax runs on contiguous rows
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t len = lens[b];
-      const int64_t* table = tables + b * max_blocks;
-      scores.resize(static_cast<size_t>(Hq * len));
-      float* s = scores.data();
-      const float* qb = qp + b * Hq * D;
-      const int64_t nblk = (len + block - 1) / block;
-      const int64_t blk_bytes = blk_stride * static_cast<int64_t>(sizeof(float));
-      prefetch_block(kp + table[0] * blk_stride, blk_bytes);
-      for (int64_t t = 0; t < len; ++t) {
-        if (t % block == 0 && t / block + 1 < nblk) prefetch_block(kp + table[t / block + 1] * blk_stride, blk_bytes);
-        const float* k = kp + table[t / block] * blk_stride + (t % block) * tok_stride;
-        float dots[64];
-        for (int64_t h = 0; h < Hkv; ++h) group_dots(qb + h * G * D, k + h * D, G, D, dots + h * G);
-        for (int64_t hq = 0; hq < Hq; ++hq) s[hq * len + t] = dots[hq] * fscale;
-      }
-      for (int64_t hq = 0; hq < Hq; ++hq) softmax(s + hq * len, len);
-      float* ob = op + b * Hq * D;
-      std::fill(ob, ob + Hq * D, 0.f);
-      prefetch_block(vp + table[0] * blk_stride, blk_bytes);
-      for (int64_t t = 0; t < len; ++t) {
-        if (t % block == 0 && t / block + 1 < nblk) prefetch_block(vp + table[t / block + 1] * blk_stride, blk_bytes);
-        const float* v = vp + table[t / block] * blk_stride + (t % block) * tok_stride;
-        float p[64];
-        for (int64_t hq = 0; hq < Hq; ++hq) p[hq] = s[hq * len + t];
-        for (int64_t h = 0; h < Hkv; ++h) group_axpy(ob + h * G * D, p + h * G, v + h * D, G, D);
-      }
-    }
+    for (int64_t b = begin; b < end; ++b)
+      attend(qp + b * Hq * D, kp, vp, tables + b * max_blocks, lens[b], Hq, Hkv, D, block,
+             tok_stride, blk_stride, fscale, op + b * Hq * D, scores);
   });
 }
 
