@@ -112,10 +112,11 @@ class DecodeGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "text", "finish_reason", "stop_token_id", "stop_string", "error_message", "usage", "timing", "prefill_worker_id", "kv_transfer_bytes")
+    __slots__ = ("token_ids", "logprobs", "text", "produced_unix_ns", "finish_reason", "stop_token_id", "stop_string", "error_message", "usage", "timing", "prefill_worker_id", "kv_transfer_bytes")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    PRODUCED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +128,7 @@ class DecodeEvent(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     text: str
+    produced_unix_ns: int
     finish_reason: _common_pb2.FinishReason
     stop_token_id: int
     stop_string: str
@@ -135,7 +137,7 @@ class DecodeEvent(_message.Message):
     timing: _common_pb2.Timing
     prefill_worker_id: str
     kv_transfer_bytes: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., error_message: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., prefill_worker_id: _Optional[str] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., produced_unix_ns: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., error_message: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., prefill_worker_id: _Optional[str] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "reason")

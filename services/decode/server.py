@@ -187,6 +187,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             token_ids=list(out.new_token_ids),
             logprobs=list(out.new_logprobs),
             text=out.text_delta,
+            produced_unix_ns=time.time_ns(),
         )
         if out.finished:
             ev.finish_reason = finish_to_proto(out.finish_reason)

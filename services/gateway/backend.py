@@ -48,7 +48,9 @@ class GenerateChunk:
     parallel to them, empty unless ``params.logprobs``); ``text_delta`` is their text, which
     may lag behind them (a split UTF-8 character or a possible stop string is held back).
     ``finish_reason`` ("stop", "length", "abort" or "error") is set on the last chunk only.
-    The token counts are running totals for the request.
+    The token counts are running totals for the request. ``produced_unix_ns``: when the
+    tokens left the engine's process (the decode worker's stamp, or when an in-process
+    engine handed them over); wall clock, for measuring the serving path's delay.
     """
 
     text_delta: str
@@ -58,6 +60,7 @@ class GenerateChunk:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    produced_unix_ns: int = 0
 
 
 class Backend(Protocol):

@@ -143,6 +143,7 @@ class ClusterBackend:
                     prompt_tokens=len(req.prompt_token_ids),
                     completion_tokens=completion,
                     cached_tokens=ev.usage.cached_tokens if reason else 0,
+                    produced_unix_ns=ev.produced_unix_ns,
                 )
         except grpc.aio.AioRpcError as e:
             outcome.finish_reason = common_pb2.FINISH_REASON_ERROR

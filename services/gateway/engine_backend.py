@@ -8,6 +8,7 @@ engine runs on its own thread (``AsyncEngine``); this class only adapts its even
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -81,6 +82,7 @@ class EngineBackend:
                         prompt_tokens=ev.num_prompt_tokens,
                         completion_tokens=ev.num_output_tokens,
                         cached_tokens=ev.num_cached_tokens,
+                        produced_unix_ns=time.time_ns(),
                     )
         finally:
             self._active -= 1

@@ -70,7 +70,9 @@ def event(
     request_id: str, chunk: GenerateChunk, *, with_token_ids: bool
 ) -> gateway_pb2.GenerateEvent:
     """One streamed event (without the last event's usage and timing)."""
-    ev = gateway_pb2.GenerateEvent(request_id=request_id, text=chunk.text_delta)
+    ev = gateway_pb2.GenerateEvent(
+        request_id=request_id, text=chunk.text_delta, produced_unix_ns=chunk.produced_unix_ns
+    )
     if with_token_ids:
         ev.token_ids.extend(chunk.token_ids)
         ev.logprobs.extend(chunk.logprobs)

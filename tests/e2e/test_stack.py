@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import os
 import re
+import time
 import urllib.request
 
 import grpc
@@ -185,12 +186,18 @@ async def test_grpc_generate_stream(stack, expected) -> None:
             ),
             sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
         )
-        text, last = [], None
+        text, last, stamps = [], None, []
+        sent_ns = time.time_ns()
         async for ev in stub.Generate(req, timeout=60):
             text.append(ev.text)
+            stamps.append((ev.produced_unix_ns, time.time_ns()))
             last = ev
     assert "".join(text) == expected[QUESTIONS[0]]
     assert last is not None and last.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+    # every event carries the decode worker's stamp: after the request was sent, before it
+    # arrived here (one host, one clock), and in order
+    assert all(sent_ns < produced <= received for produced, received in stamps), stamps
+    assert [p for p, _ in stamps] == sorted(p for p, _ in stamps)
 
 
 async def test_client_disconnect_frees_blocks_on_both_workers(stack) -> None:

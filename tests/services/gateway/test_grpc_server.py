@@ -4,6 +4,7 @@ INVALID_ARGUMENT (or NOT_FOUND / RESOURCE_EXHAUSTED), cancels free KV, health is
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -50,7 +51,11 @@ async def test_generate_stream_equals_engine(gw, stub, default_tokenizer) -> Non
         prompt=prompt,
         sampling=_greedy(10, logprobs=True),
     )
+    before = time.time_ns()
     events = await _events(stub, req)
+    after = time.time_ns()
+    stamps = [ev.produced_unix_ns for ev in events]
+    assert stamps == sorted(stamps) and before < stamps[0] and stamps[-1] <= after
     ids = default_tokenizer.encode(prompt)
     ref_ids, ref_text = await gw.reference(ids, SamplingParams(max_tokens=10, temperature=0))
     assert {ev.request_id for ev in events} == {"mine-1"}
