@@ -311,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-prompt-tokens", type=int, default=1024)
     p.add_argument("--long-output-tokens", type=int, default=16)
     p.add_argument("--long-start-s", type=float, default=3.0, help="first long prompt at")
-    p.add_argument("--long-every-s", type=float, default=4.0, help="then one every")
+    p.add_argument("--long-every-s", type=float, default=6.0, help="then one every")
     p.add_argument("--long-count", type=int, default=5, help="long prompts in all")
     p.add_argument("--threads", type=int, default=2, help="threads of a colocated worker")
     p.add_argument("--chunk", type=int, default=128, help="colocated-chunked: chunk tokens")
