@@ -13,10 +13,11 @@ from transfer.base import (
 )
 from transfer.errors import IncompatibleLayoutError, TransferError, TransferTimeout
 from transfer.handle import KVLayout, MemoryRegionHandle
-from transfer.plan import ByteRange, plan_ranges
+from transfer.plan import BlockPlan, ByteRange, plan_blocks, plan_ranges
 from transfer.registry import get_transport, known_transports
 
 __all__ = [
+    "BlockPlan",
     "ByteRange",
     "IncompatibleLayoutError",
     "KVLayout",
@@ -31,5 +32,6 @@ __all__ = [
     "Transport",
     "get_transport",
     "known_transports",
+    "plan_blocks",
     "plan_ranges",
 ]

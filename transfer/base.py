@@ -46,7 +46,7 @@ import torch
 
 from transfer.errors import TransferError
 from transfer.handle import KVLayout, MemoryRegionHandle
-from transfer.plan import ByteRange, plan_ranges
+from transfer.plan import BlockPlan, ByteRange, check_layer, plan_blocks
 
 
 @dataclass(frozen=True)
@@ -139,6 +139,18 @@ class KVRegion(ABC):
         self.close()
 
 
+@dataclass(frozen=True)
+class _CachedPlan:
+    """The block plan ``write_blocks`` made for a job, with what it was made for."""
+
+    src_layout: KVLayout
+    src_block_ids: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]
+    src: torch.Tensor
+    plan: BlockPlan
+    src_fits: bool  # every layer of the plan lies inside ``src``
+
+
 class TransferJob(ABC):
     """The transfer of one request's KV into one region, begun by ``RegionWriter.begin``."""
 
@@ -167,23 +179,43 @@ class TransferJob(ABC):
         """``write`` the ranges ``plan_ranges`` gives for these blocks of one layer.
 
         A request's block runs are the same in every layer; only the layer's base offset
-        differs on each side. So the runs are planned once per job (for the first layer
-        written) and shifted for the others, instead of re-planning 30 times in Python.
+        differs on each side. So the runs are planned once per job (``plan_blocks``, which
+        checks the ids against both pools), and once ``src`` is known to hold the whole
+        source pool, no write needs per-range checks: a layer's runs stay inside both pools
+        because the layer does.
         """
-        key = (src_layout, tuple(src_block_ids), tuple(dst_block_ids))
-        cached: tuple[object, int, list[ByteRange]] | None = getattr(self, "_plan_cache", None)
-        if cached is None or cached[0] != key:
-            planned = plan_ranges(src_layout, self.handle.layout, key[1], key[2], layer)
-            self._plan_cache = cached = (key, layer, planned)
-            self.write(layer, src, planned)
+        src_ids, dst_ids = tuple(src_block_ids), tuple(dst_block_ids)
+        cached: _CachedPlan | None = getattr(self, "_plan_cache", None)
+        if (
+            cached is None
+            or cached.src is not src
+            or cached.src_block_ids != src_ids
+            or cached.dst_block_ids != dst_ids
+            or (cached.src_layout is not src_layout and cached.src_layout != src_layout)
+        ):
+            plan = plan_blocks(src_layout, self.handle.layout, src_ids, dst_ids)
+            check_layer(layer, src_layout.num_layers)
+            fits = self._source_fits(src, src_layout)
+            self._plan_cache = _CachedPlan(src_layout, src_ids, dst_ids, src, plan, fits)
+            cached = self._plan_cache
+        else:
+            check_layer(layer, src_layout.num_layers)
+        if not cached.src_fits:
+            self.write(layer, src, cached.plan.ranges(layer))  # full checks, clear errors
             return
-        if not isinstance(layer, int) or not 0 <= layer < src_layout.num_layers:
-            raise TransferError(f"layer {layer!r} outside [0, {src_layout.num_layers})")
-        _, base_layer, base = cached
-        step = layer - base_layer
-        ds = step * 2 * src_layout.num_blocks * src_layout.block_bytes
-        dd = step * 2 * self.handle.layout.num_blocks * self.handle.layout.block_bytes
-        self.write(layer, src, [(s + ds, d + dd, n) for s, d, n in base])
+        self._write_planned(layer, src, cached.plan)
+
+    def _source_fits(self, src: torch.Tensor, src_layout: KVLayout) -> bool:
+        """Whether ``src`` is a source this transport takes that holds all of a pool of
+        ``src_layout`` (then every planned range lies inside it). False sends writes through
+        ``write``, whose checks name what is wrong."""
+        return False
+
+    def _write_planned(self, layer: int, src: torch.Tensor, plan: BlockPlan) -> None:
+        """``write`` of ``plan``'s ranges of ``layer``, which ``write_blocks`` vouches for
+        (``layer`` is in range, the plan's ranges lie inside ``src`` and the region).
+        Transports may skip their per-range checks, or copy by runs."""
+        self.write(layer, src, plan.ranges(layer))
 
     @abstractmethod
     def finish(self) -> TransferResult:

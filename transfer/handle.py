@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -98,16 +99,16 @@ class KVLayout:
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
-    @property
+    @cached_property
     def itemsize(self) -> int:
         return self.torch_dtype.itemsize
 
-    @property
+    @cached_property
     def block_bytes(self) -> int:
         """Bytes of one block of keys (or of values) in one layer."""
         return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
 
-    @property
+    @cached_property
     def total_bytes(self) -> int:
         return self.block_bytes * 2 * self.num_layers * self.num_blocks
 

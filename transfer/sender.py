@@ -1,14 +1,28 @@
 """The job machinery transports share: validate writes, queue them, move them in order.
 
-Each ``QueuedWriter`` owns one sender thread and one FIFO of operations (write, end, abort
-notice). ``write`` validates and enqueues, so the model's next layer computes while this
-layer's bytes move; the sender thread runs the transport's ``_move`` / ``_end`` hooks in
-order; the transport confirms a job with ``_complete`` or fails it with ``_fail`` (from any
-thread; the first outcome wins). ``finish`` waits on the job's event until its deadline.
+Each ``QueuedWriter`` owns one sender thread. ``write`` validates a write and appends it to
+its job's list of unmoved writes; when the caller computes between writes (the next write
+comes ``WAKE_GAP_S`` or more after the previous one), the job is put on the sender's FIFO,
+so the model's next layer computes while the earlier layers' bytes move. The sender takes
+a job's unmoved writes (all of them: a batch) and runs the transport's ``_move`` hook.
+
+``finish`` does not hand the job's tail to the sender: the compute it overlapped with is
+over, so the calling thread takes the writes the sender has not started, moves them itself
+(``_move_here``; after the sender's batch in flight, if any: one thread at a time moves a
+job's bytes, in order) and runs ``_end``. The transport confirms a job with ``_complete``
+(in ``_end``, or later from its own thread: the tcp ack reader) or fails it with ``_fail``
+(from any thread; the first outcome wins); ``finish`` waits on the job's event until its
+deadline. When ``finish`` follows the writes at once (a prefill that outran the transfer),
+the caller moves everything and no thread hand-off is on the request's path.
+
+Lifecycle of one job: begun -> writes unmoved (on the job's list) -> moving (sender or
+finisher) -> ended (``_end`` ran) -> confirmed / failed.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import math
 import queue
 import threading
@@ -22,32 +36,57 @@ import torch
 
 from transfer.base import RegionWriter, StatsCounter, TransferJob, TransferResult, TransferStats
 from transfer.errors import TransferError, TransferTimeout
-from transfer.handle import MemoryRegionHandle
-from transfer.plan import ByteRange
+from transfer.handle import KVLayout, MemoryRegionHandle
+from transfer.plan import BlockPlan, ByteRange
+
+# The sender thread is handed a job's writes when the caller shows it does other work
+# between writes (the model computing the next layer): a write that comes this long after
+# the job's previous one. Writes that come back to back (nothing to overlap with, finish()
+# is near) stay with the caller, and finish() moves them without waking a thread.
+WAKE_GAP_S = 50e-6
 
 
 class QueuedJob(TransferJob):
-    """State of one job; the writer's lock guards the fields other threads change."""
+    """State of one job; the writer's lock guards the fields other threads change.
+
+    Fields that start at a constant are class attributes until first assigned: every
+    request makes a job, and setting a dozen attributes costs more than it seems.
+    """
+
+    error: TransferError | None = None
+    terminal = False
+    finish_called = False
+    bytes_queued = 0
+    bytes_moved = 0  # written by the one thread moving the job's bytes
+    first_write_at: float | None = None
+    last_write_at: float | None = None
+    completed_at: float | None = None
+    transport_state: Any = None  # e.g. the TCP connection the job's frames went on
+    scheduled = False  # on the sender's FIFO
+    moving = False  # the sender is moving a batch of this job now
+    claimed = False  # finish() moves the rest; the sender leaves the job alone
 
     def __init__(self, writer: QueuedWriter, request_id: str, deadline: float) -> None:
         self.request_id = request_id
         self.deadline = deadline
         self.handle = writer.handle
         self._writer = writer
-        self.done = threading.Event()
-        self.error: TransferError | None = None
-        self.terminal = False
-        self.finish_called = False
-        self.bytes_queued = 0
-        self.bytes_moved = 0  # written by the sender thread only
+        self.done = _Latch()
         self.layers: set[int] = set()
         self.begun_at = time.monotonic()
-        self.first_write_at: float | None = None
-        self.completed_at: float | None = None
-        self.transport_state: Any = None  # e.g. the TCP connection the job's frames went on
+        self.unmoved: collections.deque[Write] = collections.deque()
 
     def write(self, layer: int, src: torch.Tensor, ranges: Sequence[ByteRange]) -> None:
-        self._writer._enqueue_write(self, layer, src, ranges)
+        checked = self._writer._check_ranges(layer, src, ranges)
+        nbytes = sum(n for _, _, n in checked)
+        self._writer._enqueue(self, layer, Write(src, nbytes, checked))
+
+    def _source_fits(self, src: torch.Tensor, src_layout: KVLayout) -> bool:
+        return self._writer._source_fits(src, src_layout)
+
+    def _write_planned(self, layer: int, src: torch.Tensor, plan: BlockPlan) -> None:
+        # ``write_blocks`` vouches for the plan's ranges of this layer.
+        self._writer._enqueue(self, layer, Write(src, plan.layer_bytes, None, plan, layer))
 
     def finish(self) -> TransferResult:
         return self._writer._finish(self)
@@ -59,17 +98,59 @@ class QueuedJob(TransferJob):
         return f"QueuedJob({self.request_id!r}, region={self.handle.region_id})"
 
 
-@dataclass(frozen=True)
-class _WriteOp:
-    job: QueuedJob
-    layer: int
-    src: torch.Tensor
-    ranges: tuple[ByteRange, ...]
+class _Latch:
+    """A one-shot event: a lock held until ``set`` (a ``threading.Event`` costs ~10x more to
+    make, and every request makes one)."""
+
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._set = False
+
+    def set(self) -> None:
+        """Called once (by the job's first outcome)."""
+        if not self._set:
+            self._set = True
+            self._lock.release()
+
+    def wait(self, timeout: float) -> bool:
+        """True once set; False if ``timeout`` seconds passed first."""
+        if self._set:
+            return True
+        if self._lock.acquire(timeout=timeout):
+            self._lock.release()
+            return True
+        return self._set
 
 
-@dataclass(frozen=True)
-class _EndOp:
-    job: QueuedJob
+class Write:
+    """One queued write: explicit ``ranges``, or ``plan``'s ranges of ``layer`` (what
+    ``write_blocks`` queues: a transport may copy a plan's runs over many layers at once)."""
+
+    __slots__ = ("_ranges", "layer", "nbytes", "plan", "src")
+
+    def __init__(
+        self,
+        src: torch.Tensor,
+        nbytes: int,
+        ranges: Sequence[ByteRange] | None,
+        plan: BlockPlan | None = None,
+        layer: int = -1,
+    ) -> None:
+        self.src = src
+        self.nbytes = nbytes
+        self._ranges = ranges
+        self.plan = plan
+        self.layer = layer
+
+    @property
+    def ranges(self) -> Sequence[ByteRange]:
+        if self._ranges is None:
+            assert self.plan is not None
+            self._ranges = self.plan.ranges(self.layer)
+        return self._ranges
 
 
 @dataclass(frozen=True)
@@ -77,12 +158,31 @@ class _FailedNotice:
     job: QueuedJob
 
 
-_Op = _WriteOp | _EndOp | _FailedNotice
+def flat_batches(
+    writes: Sequence[Write],
+) -> list[tuple[torch.Tensor, Sequence[ByteRange], int]]:
+    """Consecutive writes from one source merged: ``(src, ranges, nbytes)`` in order."""
+    out: list[tuple[torch.Tensor, Sequence[ByteRange], int]] = []
+    start = 0
+    while start < len(writes):
+        src = writes[start].src
+        stop = start + 1
+        while stop < len(writes) and writes[stop].src is src:
+            stop += 1
+        if stop == start + 1:
+            out.append((src, writes[start].ranges, writes[start].nbytes))
+        else:
+            run = writes[start:stop]
+            out.append((src, [r for w in run for r in w.ranges], sum(w.nbytes for w in run)))
+        start = stop
+    return out
 
 
 class QueuedWriter(RegionWriter):
     """A ``RegionWriter`` whose jobs run on one sender thread; transports fill in the hooks.
 
+    ``_move`` may run on the sender for one job while ``_move_here`` or ``_end`` runs on a
+    finishing thread for another: transports keep whatever they share (a socket) safe.
     Subclasses call ``_start()`` at the end of their ``__init__``.
     """
 
@@ -91,11 +191,13 @@ class QueuedWriter(RegionWriter):
     def __init__(self, handle: MemoryRegionHandle) -> None:
         super().__init__(handle)
         self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
+        self._idle = threading.Condition(self._lock)  # a job's sender batch ended
+        self._queue: queue.SimpleQueue[QueuedJob | _FailedNotice | None] = queue.SimpleQueue()
         self._active: dict[str, QueuedJob] = {}
         self._counter = StatsCounter()
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._fits: tuple[object, KVLayout, bool] | None = None
 
     # --- hooks -------------------------------------------------------------------------
 
@@ -103,15 +205,24 @@ class QueuedWriter(RegionWriter):
         """Raise ``TransferError`` if the target is known to be gone (called by ``begin``)."""
 
     @abstractmethod
-    def _move(self, job: QueuedJob, src: torch.Tensor, ranges: tuple[ByteRange, ...]) -> None:
-        """Sender thread: move ranges in order, calling ``_moved`` as bytes go out."""
+    def _move(self, job: QueuedJob, writes: Sequence[Write]) -> None:
+        """Sender thread: move ``writes`` (a job's, in order), calling ``_moved`` as bytes
+        go out (once per call is enough; when it stops early, for what it moved). Stops
+        when the job turns terminal; raises ``TransferTimeout`` past its deadline."""
+
+    def _move_here(self, job: QueuedJob, writes: Sequence[Write]) -> None:
+        """``_move`` on the thread calling finish(): nothing computes alongside any more, so
+        a transport may trade overlap for speed here."""
+        self._move(job, writes)
 
     @abstractmethod
     def _end(self, job: QueuedJob) -> None:
-        """Sender thread: every write of ``job`` has been moved; confirm it (now or later)."""
+        """finish()'s thread: every write of ``job`` has been moved; confirm it now
+        (``_complete``) or arrange for it to be confirmed before its deadline."""
 
     def _on_failed(self, job: QueuedJob) -> None:
-        """Sender thread: ``job`` failed; tell the target if the transport needs to."""
+        """Sender thread: ``job``, which has ``transport_state``, failed; tell the target if
+        the transport needs to."""
 
     def _interrupt(self) -> None:
         """Any thread, on close: unblock the sender if it waits on I/O."""
@@ -175,6 +286,24 @@ class QueuedWriter(RegionWriter):
 
     # --- job operations ------------------------------------------------------------------
 
+    def _source_fits(self, src: object, src_layout: KVLayout) -> bool:
+        """Whether ``write`` takes ``src`` (the checks ``_check_ranges`` makes of it) and
+        ``src`` holds a whole pool of ``src_layout``. The answer for the last pool asked
+        about is kept: a worker writes from one pool tensor for its whole life."""
+        cached = self._fits
+        if cached is not None and cached[0] is src and cached[1] is src_layout:
+            return cached[2]
+        fits = (
+            isinstance(src, torch.Tensor)
+            and src.dtype == torch.uint8
+            and src.dim() == 1
+            and src.is_contiguous()
+            and (src.device.type == "cpu" or self.accepts_device_tensors)
+            and src.numel() >= src_layout.total_bytes
+        )
+        self._fits = (src, src_layout, fits)
+        return fits
+
     def _check_ranges(
         self, layer: int, src: torch.Tensor, ranges: Sequence[ByteRange]
     ) -> tuple[ByteRange, ...]:
@@ -215,11 +344,10 @@ class QueuedWriter(RegionWriter):
                 checked.append((s, d, n))
         return tuple(checked)
 
-    def _enqueue_write(
-        self, job: QueuedJob, layer: int, src: torch.Tensor, ranges: Sequence[ByteRange]
-    ) -> None:
-        checked = self._check_ranges(layer, src, ranges)
-        if time.monotonic() > job.deadline:
+    def _enqueue(self, job: QueuedJob, layer: int, write: Write) -> None:
+        """Queue a write whose ranges are known to lie inside its source and the region."""
+        now = time.monotonic()
+        if now > job.deadline:
             self._fail(job, self._timeout(job))
         with self._lock:
             if job.error is not None:
@@ -228,22 +356,27 @@ class QueuedWriter(RegionWriter):
                 raise TransferError(f"transfer of {job.request_id!r} already finished")
             if self._closed:
                 raise TransferError(f"writer to region {self.handle.region_id} is closed")
-            job.bytes_queued += sum(n for _, _, n in checked)
+            job.bytes_queued += write.nbytes
             job.layers.add(layer)
             if job.first_write_at is None:
-                job.first_write_at = time.monotonic()
-            # Under the lock: a concurrent close() must see this op queued before its sentinel.
-            self._queue.put(_WriteOp(job, layer, src, checked))
+                job.first_write_at = now
+            gap = now - job.last_write_at if job.last_write_at is not None else 0.0
+            job.last_write_at = now
+            job.unmoved.append(write)
+            if gap >= WAKE_GAP_S and not job.scheduled:
+                job.scheduled = True
+                # Under the lock: a concurrent close() must see the job queued before its
+                # sentinel.
+                self._queue.put(job)
 
     def _finish(self, job: QueuedJob) -> TransferResult:
+        started = time.monotonic()
         with self._lock:
             if job.finish_called:
                 raise TransferError(f"finish() already called for {job.request_id!r}")
             job.finish_called = True
-            if not job.terminal:
-                self._queue.put(_EndOp(job))
-        started = time.monotonic()
-        if not job.done.wait(max(0.0, job.deadline - started)):
+        self._finish_here(job)
+        if not job.done.wait(max(0.0, job.deadline - time.monotonic())):
             self._fail(job, self._timeout(job))
         waited = time.monotonic() - started
         if job.error is not None:
@@ -257,10 +390,43 @@ class QueuedWriter(RegionWriter):
             wait_seconds=waited,
         )
 
-    def _timeout(self, job: QueuedJob) -> TransferTimeout:
+    def _finish_here(self, job: QueuedJob) -> None:
+        """On the thread calling finish(): move the writes the sender has not started, then
+        end the job. Waits (deadlined) for the sender's batch of this job in flight first."""
+        with self._lock:
+            job.claimed = True  # from now on the sender leaves this job alone
+            while job.moving and not job.terminal:
+                left = job.deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._idle.wait(left)
+            writes = list(job.unmoved)
+            job.unmoved.clear()
+        try:
+            if writes:
+                self._check_live(job)
+                self._move_here(job, writes)
+            self._check_live(job)
+            if not job.terminal:
+                self._end(job)
+        except _Stopped:
+            pass
+        except TransferError as exc:
+            self._fail(job, exc)
+        except Exception as exc:  # an OS or library error fails the job, as on the sender
+            self._fail(job, TransferError(f"transfer of {job.request_id!r} failed: {exc!r}"))
+
+    def _check_live(self, job: QueuedJob) -> None:
+        if job.terminal:
+            raise _Stopped
+        if time.monotonic() > job.deadline:
+            raise self._timeout(job)
+
+    def _timeout(self, job: QueuedJob, moving: int = 0) -> TransferTimeout:
+        """The job's deadline error; ``moving``: bytes moved but not yet counted."""
         return TransferTimeout(
             f"transfer of {job.request_id!r} to region {self.handle.region_id} missed its "
-            f"deadline: {job.bytes_moved} of {job.bytes_queued} bytes moved"
+            f"deadline: {job.bytes_moved + moving} of {job.bytes_queued} bytes moved"
             + (", awaiting confirmation" if job.finish_called else "")
         )
 
@@ -286,33 +452,49 @@ class QueuedWriter(RegionWriter):
                 return
             job.terminal = True
             job.error = error
+            job.unmoved.clear()
             if self._active.get(job.request_id) is job:
                 del self._active[job.request_id]
             if not aborted:
                 self._counter.add_failure()
-            if not self._closed:
-                self._queue.put(_FailedNotice(job))
+            if not self._closed and job.transport_state is not None:
+                self._queue.put(_FailedNotice(job))  # the target may hold state for it
+            self._idle.notify_all()
         job.done.set()
 
     def _run(self) -> None:
         while True:
-            op = self._queue.get()
-            if op is None:
+            item = self._queue.get()
+            if item is None:
                 return
-            job = op.job
+            if isinstance(item, _FailedNotice):
+                # A notice is best effort: the job has failed already, whatever happens here.
+                with contextlib.suppress(Exception):
+                    self._on_failed(item.job)
+                continue
+            job = item
+            with self._lock:
+                job.scheduled = False
+                if job.claimed or job.terminal or not job.unmoved:
+                    continue
+                writes = list(job.unmoved)
+                job.unmoved.clear()
+                job.moving = True
             try:
-                if isinstance(op, _FailedNotice):
-                    self._on_failed(job)
-                    continue
-                if job.terminal:
-                    continue
-                if time.monotonic() > job.deadline:
-                    self._fail(job, self._timeout(job))
-                elif isinstance(op, _WriteOp):
-                    self._move(job, op.src, op.ranges)
-                else:
-                    self._end(job)
+                self._check_live(job)
+                self._move(job, writes)
+            except _Stopped:
+                pass
             except TransferError as exc:
                 self._fail(job, exc)
             except Exception as exc:  # an OS or library error must fail the job, not the thread
                 self._fail(job, TransferError(f"transfer of {job.request_id!r} failed: {exc!r}"))
+            finally:
+                with self._lock:
+                    job.moving = False
+                    if job.claimed:
+                        self._idle.notify_all()
+
+
+class _Stopped(Exception):
+    """The job turned terminal (aborted, failed elsewhere): stop moving its bytes."""

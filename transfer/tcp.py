@@ -1,12 +1,15 @@
 """Any-host transport: frames over TCP into a region served by a ``TcpReceiver``.
 
 Initiator side: a ``TcpWriter`` holds one persistent connection per region (reconnecting
-after a failure); the sender thread streams DATA frames in order (header, then the payload
-sent straight from the source tensor's memory); ``finish`` sends END and an ack-reader
-thread completes the job when the receiver confirms the byte count. A job whose deadline
-passes in the middle of a frame desynchronizes the stream, so the connection is closed and
-every job with bytes on it fails with ``TransferError``. Target side: see
-``transfer/tcp_receiver.py``.
+after a failure). Whoever moves a job's writes (the sender thread while the model computes,
+the thread in ``finish`` for the rest; see ``transfer/sender.py``) streams them as DATA
+frames of about ``FRAME_BYTES`` (header and range list, then the ranges' payloads, gathered
+by one ``sendmsg`` straight from the source tensor's memory); a stream lock keeps frames
+whole. ``finish`` then sends END and an ack-reader thread completes the job when the
+receiver confirms the byte count. A job whose deadline passes in the middle of a frame
+desynchronizes the stream, so the connection is closed and every job with bytes on it fails
+with ``TransferError``. Sockets block with kernel timeouts as ticks (no poll per call; see
+``transfer/tcp_frames.py``). Target side: see ``transfer/tcp_receiver.py``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import itertools
 import socket
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,20 +28,29 @@ from transfer.base import KVRegion, Transport
 from transfer.errors import TransferError, TransferTimeout
 from transfer.handle import KVLayout, MemoryRegionHandle
 from transfer.plan import ByteRange
-from transfer.sender import QueuedJob, QueuedWriter
+from transfer.sender import QueuedJob, QueuedWriter, Write, flat_batches
 from transfer.tcp_frames import (
+    FRAME_BYTES,
     HEADER_SIZE,
+    MAX_RANGES,
     POLL_SECONDS,
     TRANSPORT_NAME,
     AckStatus,
     Frame,
     FrameKind,
+    encode_data,
     key_bytes,
     parse_address,
     recv_exactly,
     send_exactly,
+    send_views,
+    split_frames,
 )
-from transfer.tcp_receiver import TcpReceiver, TcpRegion, past
+from transfer.tcp_receiver import TcpReceiver, TcpRegion, past, tune_socket
+
+# The ack reader blocks in recv; a writer's close or a dead connection shuts the socket
+# down, which wakes it at once, so its tick only bounds how long a missed wake-up lasts.
+_ACK_TICK_SECONDS = 0.5
 
 # Bound on sending a 48-byte ABORT after a job failed: the receiver may be stuck.
 _NOTICE_SECONDS = 1.0
@@ -63,10 +76,15 @@ class _Binding:
 
 
 class TcpWriter(QueuedWriter):
-    """Streams DATA frames into one remote region over a persistent connection."""
+    """Streams DATA frames into one remote region over a persistent connection.
+
+    The sender thread and a thread in ``finish`` may both send: the stream lock keeps each
+    frame whole on the wire and guards the current connection.
+    """
 
     def __init__(self, handle: MemoryRegionHandle, connect_timeout: float) -> None:
         super().__init__(handle)
+        self._stream = threading.Lock()
         self._host, self._port = parse_address(handle.address)
         self._key = key_bytes(handle.key)
         self._connect_timeout = connect_timeout
@@ -81,8 +99,7 @@ class TcpWriter(QueuedWriter):
             sock = socket.create_connection((self._host, self._port), timeout=timeout)
         except OSError as exc:
             raise TransferError(f"cannot connect to {self.handle.address}: {exc}") from exc
-        sock.settimeout(POLL_SECONDS)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune_socket(sock, POLL_SECONDS, _ACK_TICK_SECONDS)
         conn = _Connection(sock)
         conn.reader = threading.Thread(
             target=self._read_acks, args=(conn,), name="kv-acks", daemon=True
@@ -90,8 +107,18 @@ class TcpWriter(QueuedWriter):
         conn.reader.start()
         return conn
 
+    @contextlib.contextmanager
+    def _streaming(self, job: QueuedJob) -> Iterator[None]:
+        """Hold the stream lock, waiting no longer than ``job``'s deadline."""
+        if not self._stream.acquire(timeout=max(0.0, job.deadline - time.monotonic())):
+            raise self._timeout(job)
+        try:
+            yield
+        finally:
+            self._stream.release()
+
     def _drop(self, conn: _Connection) -> None:
-        """Sender thread only: the one place a connection's socket is closed."""
+        """Under the stream lock: the one place a connection's socket is closed."""
         self._kill(conn, "writer closed")
         if conn.reader is not None:
             conn.reader.join(timeout=2.0)
@@ -133,7 +160,7 @@ class TcpWriter(QueuedWriter):
         job.transport_state = binding
         return binding
 
-    def _send(self, conn: _Connection, job: QueuedJob, data: memoryview | bytes) -> None:
+    def _send(self, conn: _Connection, job: QueuedJob, views: Sequence[memoryview | bytes]) -> None:
         def give_up() -> None:
             if conn.dead:
                 raise TransferError(f"connection to {self.handle.address} lost: {conn.reason}")
@@ -141,7 +168,7 @@ class TcpWriter(QueuedWriter):
                 raise self._timeout(job)
 
         try:
-            send_exactly(conn.sock, data, give_up=give_up)
+            send_views(conn.sock, views, give_up=give_up)
         except TransferTimeout as exc:
             # Half a frame is on the wire: the stream is unusable for every job on it.
             self._fail(job, exc)
@@ -151,26 +178,36 @@ class TcpWriter(QueuedWriter):
             self._kill(conn, f"send failed: {exc}")
             raise TransferError(f"send to {self.handle.address} failed: {exc}") from exc
 
-    def _move(self, job: QueuedJob, src: torch.Tensor, ranges: tuple[ByteRange, ...]) -> None:
+    def _move(self, job: QueuedJob, writes: Sequence[Write]) -> None:
+        with self._streaming(job):
+            for src, ranges, nbytes in flat_batches(writes):
+                self._send_frames(job, src, ranges, nbytes)
+
+    def _send_frames(
+        self, job: QueuedJob, src: torch.Tensor, ranges: Sequence[ByteRange], nbytes: int
+    ) -> None:
+        """DATA frames of about ``FRAME_BYTES`` each: header and range list, then the
+        payloads, gathered from the source's memory by one sendmsg."""
         binding = self._bound(job)
         payload = memoryview(src.detach().numpy())
-        for s, d, n in ranges:
+        for start, stop, size in split_frames([n for _, _, n in ranges], MAX_RANGES, FRAME_BYTES):
             # An aborted job still completes the frame in flight (the stream stays usable),
             # then stops; a deadline stops it mid-frame (see _send).
             if job.terminal:
                 return
-            header = Frame(FrameKind.DATA, self._key, binding.tag, d, n).encode()
-            self._send(binding.conn, job, header)
-            self._send(binding.conn, job, payload[s : s + n])
-            self._moved(job, n)
+            part = ranges[start:stop]
+            head = encode_data(self._key, binding.tag, [(d, n) for _, d, n in part], size)
+            self._send(binding.conn, job, [head, *(payload[s : s + n] for s, _, n in part)])
+            self._moved(job, size)
 
     def _end(self, job: QueuedJob) -> None:
         if job.transport_state is None:
             self._complete(job)  # nothing was written: nothing to confirm
             return
-        binding = self._bound(job)
-        end = Frame(FrameKind.END, self._key, binding.tag, length=job.bytes_moved).encode()
-        self._send(binding.conn, job, end)
+        with self._streaming(job):
+            binding = self._bound(job)
+            end = Frame(FrameKind.END, self._key, binding.tag, length=job.bytes_moved)
+            self._send(binding.conn, job, [end.encode()])
         # The ack reader completes the job.
 
     def _on_failed(self, job: QueuedJob) -> None:
@@ -189,10 +226,15 @@ class TcpWriter(QueuedWriter):
             past(deadline)
 
         notice = Frame(FrameKind.ABORT, self._key, binding.tag).encode()
+        if not self._stream.acquire(timeout=_NOTICE_SECONDS):
+            self._kill(conn, "could not send ABORT: the stream stayed busy")
+            return
         try:
             send_exactly(conn.sock, notice, give_up=give_up)
         except (OSError, TransferError) as exc:
             self._kill(conn, f"sending ABORT failed: {exc}")
+        finally:
+            self._stream.release()
 
     def _read_acks(self, conn: _Connection) -> None:
         header = bytearray(HEADER_SIZE)
@@ -234,9 +276,16 @@ class TcpWriter(QueuedWriter):
             self._kill(conn, "writer closed")
 
     def _release(self) -> None:
-        if self._conn is not None:
-            self._drop(self._conn)
-            self._conn = None
+        # A finish() on another thread may still be leaving a send (the connection is dead
+        # by now, so not for long); closing the socket under it would be a use after close.
+        locked = self._stream.acquire(timeout=5.0)
+        try:
+            if self._conn is not None:
+                self._drop(self._conn)
+                self._conn = None
+        finally:
+            if locked:
+                self._stream.release()
 
 
 class TcpTransport(Transport):

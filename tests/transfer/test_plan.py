@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from transfer import IncompatibleLayoutError, KVLayout, TransferError, plan_ranges
+from transfer.plan import plan_blocks
 
 SRC = KVLayout(
     num_layers=4, num_blocks=16, block_size=2, num_kv_heads=1, head_dim=4, dtype="float32"
@@ -133,3 +134,16 @@ def test_write_blocks_shifts_one_plan_across_layers() -> None:
     assert job.calls[-1][1] == plan_ranges(src, dst, [11], [12], 1)
     with pytest.raises(TransferError):
         job.write_blocks(5, buf, src, [11], [12])
+
+
+def test_block_plan_gives_every_layers_ranges_from_one_set_of_runs() -> None:
+    src_ids, dst_ids = [4, 5, 6, 0, 1, 15], [1, 2, 3, 7, 8, 9]
+    plan = plan_blocks(SRC, DST, src_ids, dst_ids)
+    # Runs consecutive on both sides, as byte offsets inside one (layer, keys|values) row.
+    assert plan.runs == ((4 * B, 1 * B, 3 * B), (0, 7 * B, 2 * B), (15 * B, 9 * B, B))
+    assert (plan.src_row, plan.dst_row) == (16 * B, 10 * B)
+    assert plan.layer_bytes == 2 * 6 * B
+    for layer in range(SRC.num_layers):
+        assert plan.ranges(layer) == plan_ranges(SRC, DST, src_ids, dst_ids, layer)
+    with pytest.raises(TransferError, match="source block id 16"):
+        plan_blocks(SRC, DST, [16], [0])

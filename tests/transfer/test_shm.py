@@ -63,11 +63,13 @@ def test_target_killed_mid_transfer_fails_the_job_and_removes_its_segment() -> N
         src = pattern(SRC_LAYOUT.total_bytes, SRC_SEED)
         job = writer.begin("req", deadline=time.monotonic() + 10)
         job.write_blocks(0, src, SRC_LAYOUT, [0, 1], [2, 3])
+        time.sleep(0.01)  # "computing": the next write hands both to the sender thread
+        job.write_blocks(1, src, SRC_LAYOUT, [0, 1], [2, 3])
         assert wait_until(lambda: writer.stats().bytes > 0, 5)
         target.kill()
         started = time.monotonic()
         with pytest.raises(TransferError, match="is gone") as failure:
-            job.write_blocks(1, src, SRC_LAYOUT, [0, 1], [2, 3])
+            job.write_blocks(2, src, SRC_LAYOUT, [0, 1], [2, 3])
             job.finish()
         assert not isinstance(failure.value, TransferTimeout)
         assert time.monotonic() - started < 2.0

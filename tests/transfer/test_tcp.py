@@ -26,7 +26,15 @@ from tests.transfer.target import (
 )
 from transfer import KVLayout, MemoryRegionHandle, TransferError, TransferTimeout
 from transfer.tcp import TcpTransport
-from transfer.tcp_frames import Frame, FrameKind, parse_address
+from transfer.tcp_frames import (
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    Frame,
+    FrameKind,
+    encode_data,
+    parse_address,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -88,11 +96,13 @@ def test_target_killed_mid_transfer_fails_fast_not_by_timeout() -> None:
         src = pattern(SRC_LAYOUT.total_bytes, SRC_SEED)
         job = writer.begin("req", deadline=time.monotonic() + 10)
         job.write_blocks(0, src, SRC_LAYOUT, [0, 1], [2, 3])
+        time.sleep(0.01)  # "computing": the next write hands both to the sender thread
+        job.write_blocks(1, src, SRC_LAYOUT, [0, 1], [2, 3])
         assert wait_until(lambda: writer.stats().bytes > 0, 5)
         target.kill()
         started = time.monotonic()
         with pytest.raises(TransferError, match=r"lost|failed") as failure:
-            job.write_blocks(1, src, SRC_LAYOUT, [0, 1], [2, 3])
+            job.write_blocks(2, src, SRC_LAYOUT, [0, 1], [2, 3])
             job.finish()
         assert not isinstance(failure.value, TransferTimeout)
         assert time.monotonic() - started < 2.0
@@ -109,8 +119,8 @@ def test_bad_frames_close_only_their_connection() -> None:
         length = region.handle.length
         silent = socket.create_connection((host, port))  # holds a connection open meanwhile
         garbage = [
-            Frame(FrameKind.DATA, b"\x01" * 16, 1, 0, 64).encode() + b"\xff" * 64,
-            Frame(FrameKind.DATA, key, 1, length - 8, 64).encode() + b"\xff" * 64,
+            encode_data(b"\x01" * 16, 1, [(0, 64)], 64) + b"\xff" * 64,
+            encode_data(key, 1, [(length - 8, 64)], 64) + b"\xff" * 64,
             b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".ljust(48, b"x"),
             Frame(FrameKind.ACK, key, 1).encode(),
         ]
@@ -132,13 +142,58 @@ def test_bad_frames_close_only_their_connection() -> None:
         silent.close()
 
 
+def test_malformed_and_truncated_frames_are_rejected_with_a_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with TcpTransport() as transport:
+        region = transport.register(DST_LAYOUT)
+        region.tensor.copy_(pattern(DST_LAYOUT.total_bytes, DST_SEED))
+        before = region.tensor.clone()
+        host, port = parse_address(region.handle.address)
+        key = bytes.fromhex(region.handle.key)
+        length = region.handle.length
+        v1 = HEADER.pack(MAGIC, 1, FrameKind.DATA, 0, key, 1, 0, 64)  # the old format
+        listing = encode_data(key, 1, [(0, 32), (64, 32)], 64)
+        bad = [
+            (v1 + b"\xff" * 64, "unsupported frame version 1"),
+            # The lengths in the list do not add up to the header's length.
+            (encode_data(key, 1, [(0, 32), (64, 32)], 100) + b"\xff" * 100, "add up to 64"),
+            # One range of two runs past the region's end: nothing of the frame lands.
+            (encode_data(key, 1, [(0, 32), (length - 8, 32)], 64) + b"\xff" * 64, "outside"),
+            # Cut short: in the range list, in the payload.
+            (listing[: HEADER_SIZE + 8], "truncated frame: in the range list"),
+            (listing + b"\xff" * 40, "truncated frame: in the payload"),
+        ]
+        for count, (data, reason) in enumerate(bad, start=1):
+            caplog.clear()
+            with socket.create_connection((host, port), timeout=5) as sock:
+                sock.sendall(data)
+                if "truncated" in reason:
+                    sock.shutdown(socket.SHUT_WR)  # the writer died mid-frame
+                assert _closed_by_peer(sock)
+            assert wait_until(lambda n=count: transport.rejected_connections == n, 2)
+            assert reason in caplog.text
+        # Only the truncated payload's 40 bytes landed, scattered as its list said: 32 at 0,
+        # 8 at 64 (a failed job's bytes may land; its blocks stay leased). Nothing else did.
+        landed = torch.zeros_like(region.tensor, dtype=torch.bool)
+        landed[0:32] = landed[64:72] = True
+        assert torch.equal(region.tensor[~landed], before[~landed])
+        assert bool((region.tensor[landed] == 0xFF).all())
+        # Every rejection but the first names the region's key: its failures count them.
+        assert region.stats().failures == len(bad) - 1
+        region.tensor[landed] = before[landed]
+        results = push_requests(transport.connect(region.handle))
+        assert [r.bytes for r in results] == MOVE_BYTES
+        assert torch.equal(region.tensor, expected_pool(DST_LAYOUT, SRC_LAYOUT, MOVES, LAYERS))
+
+
 def test_receiver_drops_clients_that_go_silent() -> None:
     with TcpTransport(io_timeout=0.3, idle_timeout=0.5) as transport:
         region = transport.register(DST_LAYOUT)
         host, port = parse_address(region.handle.address)
         key = bytes.fromhex(region.handle.key)
         with socket.create_connection((host, port)) as stalled:
-            stalled.sendall(Frame(FrameKind.DATA, key, 1, 0, 1000).encode() + b"x" * 10)
+            stalled.sendall(encode_data(key, 1, [(0, 1000)], 1000) + b"x" * 10)
             started = time.monotonic()
             assert _closed_by_peer(stalled)  # mid-frame silence: io_timeout
             assert 0.25 <= time.monotonic() - started < 2.0

@@ -1,0 +1,132 @@
+"""The job machinery both transports share (``transfer/sender.py``), on real regions.
+
+Writes that come with compute between them are moved by the sender thread while the
+caller computes; ``finish`` moves whatever is left itself; ``write_blocks`` copies a
+request's runs for many layers at once. Whatever path the bytes take, the destination must
+hold exactly the named blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tests.transfer.target import (
+    DST_LAYOUT,
+    DST_SEED,
+    SRC_LAYOUT,
+    SRC_SEED,
+    expected_pool,
+    pattern,
+    wait_until,
+)
+from transfer import KVLayout, KVRegion, RegionWriter, TransferError, get_transport, plan_ranges
+
+pytestmark = pytest.mark.timeout(60)
+
+SRC_IDS, DST_IDS = [0, 1, 2, 5], [5, 6, 0, 9]
+
+
+@pytest.fixture(params=["shm", "tcp"])
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[KVRegion, RegionWriter]]:
+    """A region (in this process) filled with the destination pattern, and a writer to it."""
+    with get_transport(request.param) as target, get_transport(request.param) as initiator:
+        region = target.register(DST_LAYOUT)
+        region.tensor.copy_(pattern(DST_LAYOUT.total_bytes, DST_SEED))
+        yield region, initiator.connect(region.handle)
+
+
+def _want(layers: list[int]) -> torch.Tensor:
+    return expected_pool(DST_LAYOUT, SRC_LAYOUT, [(SRC_IDS, DST_IDS)], layers)
+
+
+def test_writes_between_compute_move_before_finish(pair: tuple[KVRegion, RegionWriter]) -> None:
+    region, writer = pair
+    src = pattern(SRC_LAYOUT.total_bytes, SRC_SEED)
+    job = writer.begin("req", deadline=time.monotonic() + 10)
+    for layer in range(3):
+        job.write_blocks(layer, src, SRC_LAYOUT, SRC_IDS, DST_IDS)
+        time.sleep(0.005)  # the next layer computes
+    # The sender thread took the first layers while the caller "computed".
+    assert wait_until(lambda: writer.stats().bytes > 0, 5)
+    job.write_blocks(3, src, SRC_LAYOUT, SRC_IDS, DST_IDS)  # finish() moves this one
+    result = job.finish()
+    per_layer = len(SRC_IDS) * 2 * SRC_LAYOUT.block_bytes
+    assert (result.bytes, result.layers) == (4 * per_layer, 4)
+    assert writer.stats().bytes == 4 * per_layer
+    assert torch.equal(region.tensor, _want([0, 1, 2, 3]))
+
+
+def test_finish_after_back_to_back_writes_moves_them_all(
+    pair: tuple[KVRegion, RegionWriter],
+) -> None:
+    region, writer = pair
+    src = pattern(SRC_LAYOUT.total_bytes, SRC_SEED)
+    for attempt in range(3):  # jobs one after the other on one writer
+        job = writer.begin(f"req-{attempt}", deadline=time.monotonic() + 10)
+        for layer in (0, 1, 2, 3):
+            job.write_blocks(layer, src, SRC_LAYOUT, SRC_IDS, DST_IDS)
+        assert job.finish().layers == 4
+        assert torch.equal(region.tensor, _want([0, 1, 2, 3]))
+        region.tensor.copy_(pattern(DST_LAYOUT.total_bytes, DST_SEED))
+
+
+def test_layers_in_any_order_mixed_with_explicit_writes(
+    pair: tuple[KVRegion, RegionWriter],
+) -> None:
+    region, writer = pair
+    src = pattern(SRC_LAYOUT.total_bytes, SRC_SEED)
+    job = writer.begin("req", deadline=time.monotonic() + 10)
+    job.write_blocks(2, src, SRC_LAYOUT, SRC_IDS, DST_IDS)
+    job.write(1, src, plan_ranges(SRC_LAYOUT, DST_LAYOUT, SRC_IDS, DST_IDS, 1))
+    job.write_blocks(0, src, SRC_LAYOUT, SRC_IDS, DST_IDS)
+    job.write_blocks(3, src, SRC_LAYOUT, [7], [11])  # another plan in the same job
+    job.write_blocks(3, src, SRC_LAYOUT, SRC_IDS, DST_IDS)
+    result = job.finish()
+    assert result.layers == 4
+    want = expected_pool(DST_LAYOUT, SRC_LAYOUT, [(SRC_IDS, DST_IDS), ([7], [11])], [0, 1, 2, 3])
+    # Block 7 -> 11 was written for layer 3 only: put back what the other layers had.
+    dst_blocks = want.view(DST_LAYOUT.num_layers, 2, DST_LAYOUT.num_blocks, -1)
+    before = pattern(DST_LAYOUT.total_bytes, DST_SEED).view_as(dst_blocks)
+    dst_blocks[:3, :, 11] = before[:3, :, 11]
+    assert torch.equal(region.tensor, want)
+
+
+def test_finish_waits_for_the_batch_the_sender_is_moving() -> None:
+    # 8 MiB layers: the sender is mid-copy when finish() comes.
+    layout = KVLayout(
+        num_layers=6, num_blocks=4, block_size=256, num_kv_heads=8, head_dim=128, dtype="float32"
+    )
+    src = pattern(layout.total_bytes, SRC_SEED)
+    with get_transport("shm") as transport:
+        region = transport.register(layout)
+        writer = transport.connect(region.handle)
+        for attempt in range(3):
+            region.tensor.zero_()
+            job = writer.begin(f"big-{attempt}", deadline=time.monotonic() + 30)
+            for layer in range(layout.num_layers):
+                job.write_blocks(layer, src, layout, [0, 1, 2, 3], [3, 2, 1, 0])
+                time.sleep(0.001)
+            assert job.finish().bytes == layout.total_bytes
+            # finish() returned: every byte is in place, whoever moved it.
+            got = region.tensor.view(layout.num_layers, 2, 4, -1)
+            assert torch.equal(got, src.view_as(got)[:, :, [3, 2, 1, 0]])
+
+
+def test_a_source_smaller_than_its_layout_is_refused_by_name(
+    pair: tuple[KVRegion, RegionWriter],
+) -> None:
+    _, writer = pair
+    short = pattern(SRC_LAYOUT.total_bytes // 2, SRC_SEED)  # layers 2 and 3 are not in it
+    job = writer.begin("req", deadline=time.monotonic() + 10)
+    job.write_blocks(0, short, SRC_LAYOUT, SRC_IDS, DST_IDS)
+    with pytest.raises(TransferError, match=r"outside the \d+-byte src"):
+        job.write_blocks(3, short, SRC_LAYOUT, SRC_IDS, DST_IDS)
+    with pytest.raises(TransferError, match="layer 4 outside"):
+        job.write_blocks(4, short, SRC_LAYOUT, SRC_IDS, DST_IDS)
+    with pytest.raises(TransferError, match="destination block id 12"):
+        job.write_blocks(0, short, SRC_LAYOUT, SRC_IDS, [5, 6, 0, 12])
+    assert job.finish().layers == 1
