@@ -100,19 +100,26 @@ def test_size_result_ratios_and_verdicts() -> None:
     assert "0.83 pass" in row and "0.50 FAIL" in row
 
 
-def test_hop_table_judges_the_added_p99() -> None:
+def test_hop_table_judges_the_measured_delivery_delay() -> None:
     base = HopPath("in-process", (0.050,) * 50, True)
-    near = HopPath("worker", (0.0505,) * 50, True)  # +0.5 ms
-    far = HopPath("gateway", (0.050,) * 49 + (0.060,), False)  # P99 +5.1 ms, tokens differ
+    # ITL +0.5 ms; delivery delays 0.4 ms except one of 1.5 ms: P99 (rank 48.51 of 0..49)
+    # = 0.4 + 0.51 * 1.1 = 0.961 ms -> pass
+    near = HopPath("worker", (0.0505,) * 50, True, delays=(0.0004,) * 49 + (0.0015,))
+    # ITL P99 +5.1 ms but delays all 1 ms: judged on delays -> pass; tokens differ is flagged
+    noisy = HopPath("gateway", (0.050,) * 49 + (0.060,), False, delays=(0.001,) * 50)
+    # ITL identical but 3 ms delivery delays: FAIL
+    slow = HopPath("slow", (0.050,) * 50, True, delays=(0.003,) * 50)
     gone = HopPath("broken", (), False, "did not start")
-    hop = HopResult(tokens=51, repeats=1, paths=(base, near, far, gone))
+    hop = HopResult(tokens=51, repeats=1, paths=(base, near, noisy, slow, gone))
     lines = hop_table(hop).splitlines()
     assert "(baseline)" in lines[2]
-    assert "+0.50" in lines[3] and "pass" in lines[3]
-    assert "FAIL" in lines[4] and "tokens differ" in lines[4]
-    assert "not run: did not start" in lines[5]
+    assert "+0.50" in lines[3] and "0.96" in lines[3] and "pass" in lines[3]
+    assert "+5.10" in lines[4] and "pass" in lines[4] and "tokens differ" in lines[4]
+    assert "3.00" in lines[5] and "FAIL" in lines[5]
+    assert "not run: did not start" in lines[6]
     paths = hop.to_json()["paths"]
-    assert [p.get("passed") for p in paths] == [None, True, False, None]
+    assert [p.get("passed") for p in paths] == [None, True, True, False, None]
+    assert paths[1]["delay_p99_s"] == pytest.approx(0.000961)
 
 
 def test_quick_skips_the_hop_unless_asked() -> None:
@@ -173,4 +180,9 @@ def test_tiny_hop_streams_the_same_tokens_on_both_paths(tmp_path: Path) -> None:
         assert all(0 < g < 10 for g in p["gaps_s"])
     assert worker["outputs_match"] is True
     assert "added_p99_s" in worker and "added_p99_s" not in inproc
+    # 4 tokens in 1-4 events (a lagging reader gets them coalesced); each event carries the
+    # worker's stamp, so each gives a delay >= 0 s
+    assert 1 <= len(worker["delays_s"]) <= 4
+    assert all(0 <= d < 10 for d in worker["delays_s"])
+    assert "delays_s" not in inproc
     assert "skipped" in paths["gateway → decode gRPC"]["error"]
