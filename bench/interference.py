@@ -7,7 +7,8 @@ steady decode streams plus long prompts arriving on a schedule) against, in turn
   colocated-chunked   the same with chunked prefill (``--chunked-prefill``)
   disaggregated       one prefill worker pinned to one core, one decode worker pinned to
                       the other (``pdserve up --prefill 1 --decode 1 --pin``); redis, the
-                      scheduler and the gateway on the prefill worker's core
+                      scheduler, the gateway and this load generator on the prefill
+                      worker's core, so the decode core runs the decode worker alone
   llama.cpp           optional (``--peer``): llama.cpp's ``llama-server`` on both cores with
                       parallel slots, on the same GGUF (benchmark-only; built by
                       ``python -m bench.peers.llama_server build``)
@@ -49,6 +50,7 @@ class Mode:
     up_flags: tuple[str, ...] = ()
     peer: bool = False
     describe: str = ""
+    client_cpus: frozenset[int] | None = None  # pin this load generator while it measures
 
 
 def modes_for(args: argparse.Namespace) -> list[Mode]:
@@ -77,7 +79,8 @@ def modes_for(args: argparse.Namespace) -> list[Mode]:
             "disaggregated",
             (*disaggregated, *transport, *common),
             describe=f"1 prefill + 1 decode, a core and 1 thread each, {args.transport}; "
-            "control plane on the prefill core",
+            "control plane and this client on the prefill core",
+            client_cpus=frozenset({int(first_core)}),
         ),
         PEER: Mode(
             PEER,
@@ -178,13 +181,27 @@ def run_mode(mode: Mode, args: argparse.Namespace, tokenizer: Any, log_dir: Path
         seed=args.seed + 1,
     )
     server = peer_server(args, log_dir) if mode.peer else pdserve_stack(mode, log_dir)
-    with server as base_url:
+    with server as base_url, _pinned(mode.client_cpus):
         asyncio.run(run_benchmark(base_url, warmup, timeout_s=args.timeout_s, progress=False))
         _wait_quiet(args.max_load, args.quiet_timeout_s)
         result = asyncio.run(
             run_benchmark(base_url, requests, timeout_s=args.timeout_s, progress=args.progress)
         )
     return ModeRun(mode, result)
+
+
+@contextmanager
+def _pinned(cpus: frozenset[int] | None) -> Iterator[None]:
+    """Run this process on ``cpus`` inside the block (no-op for ``None``)."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def _wait_quiet(max_load: float, timeout_s: float) -> None:

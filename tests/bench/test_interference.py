@@ -4,6 +4,7 @@ parse with ``pdserve up``'s own parser."""
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -81,3 +82,7 @@ def test_every_mode_parses_with_pdserve_up_flags() -> None:
     assert chunked.chunked_prefill == args.chunk
     disagg = parser.parse_args(list(modes[2].up_flags))
     assert (disagg.prefill, disagg.decode, disagg.pin, disagg.threads_per_worker) == (1, 1, True, 1)
+    # the control plane and the load generator share the prefill worker's core (the first)
+    first = min(os.sched_getaffinity(0))
+    assert disagg.control_cpus == {first} and modes[2].client_cpus == {first}
+    assert modes[0].client_cpus is None and modes[1].client_cpus is None
