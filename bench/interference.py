@@ -18,8 +18,11 @@ where prefill runs. Each stack gets an untimed warm-up (one stream and one long 
 before the measured run. ITL figures are over the steady streams' inter-token gaps
 (tag ``stream``); TTFT figures over every request, and over the long prompts alone.
 
-It prints one side-by-side table, checks the issue's targets, writes the JSON of every run
-and the plots (ITL over time per mode with the long-prompt arrivals marked; latency CDFs).
+It prints one side-by-side table, the steady streams' ITL split by what the server was doing
+(a long prompt prefilling, a long request decoding in the batch, neither), checks the
+issue's targets, writes the JSON of every run and the plots (ITL over time per mode with
+the long-prompt arrivals marked; latency CDFs). ``--report RUN.json`` prints all of that
+again from a saved run without measuring.
 """
 
 from __future__ import annotations
@@ -256,6 +259,57 @@ def table_rows(runs: Sequence[ModeRun]) -> list[dict[str, Any]]:
     return rows
 
 
+PHASES = ("prefill", "long-decode", "quiet")
+
+
+def gap_phase(start: float, end: float, longs: Sequence[Any]) -> str:
+    """What the server was doing during a stream's gap ``[start, end]`` (seconds).
+
+    ``prefill``: the gap overlaps a long request's prefill window (its send to its first
+    token); else ``long-decode``: it overlaps a long request's decode (first to last token);
+    else ``quiet``. A long request without tokens counts as prefilling until it ended.
+    """
+    for r in longs:
+        first = r.token_times_s[0] if r.token_times_s else r.end_s
+        if start < first and end > r.send_s:
+            return "prefill"
+    for r in longs:
+        if r.token_times_s and start < r.token_times_s[-1] and end > r.token_times_s[0]:
+            return "long-decode"
+    return "quiet"
+
+
+def phase_rows(runs: Sequence[ModeRun]) -> list[dict[str, Any]]:
+    """Per mode and phase (``PHASES``): the steady streams' ITL while a long prompt
+    prefills, while one decodes in the batch, and neither (milliseconds)."""
+    from bench.serve.metrics import stats
+
+    rows = []
+    for run in runs:
+        records = [r for r in run.result.records if r.ok]
+        longs = [r for r in records if r.tag == "long"]
+        gaps: dict[str, list[float]] = {p: [] for p in PHASES}
+        for r in (r for r in records if r.tag == "stream"):
+            for a, b in zip(r.token_times_s, r.token_times_s[1:], strict=False):
+                gaps[gap_phase(a, b, longs)].append((b - a) * 1000.0)
+        for phase in PHASES:
+            st = stats(gaps[phase])
+            rows.append({"mode": run.mode.name, "phase": phase, "count": st.count,
+                         "p50": st.p50, "p99": st.p99, "max": st.max})  # fmt: skip
+    return rows
+
+
+def format_phase_table(rows: Sequence[dict[str, Any]]) -> str:
+    lines = ["| mode | streams' gaps while | gaps | ITL P50 ms | ITL P99 ms | max ITL ms |",
+             "|" + "---|" * 6]  # fmt: skip
+    for r in rows:
+        lines.append(
+            f"| {r['mode']} | {r['phase']} | {r['count']} | {_ms(r['p50'])} | {_ms(r['p99'])} "
+            f"| {_ms(r['max'])} |"
+        )
+    return "\n".join(lines)
+
+
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     head = (
         "| mode | TTFT P50 ms | TTFT P99 ms | long TTFT P50 ms | ITL P50 ms | ITL P99 ms "
@@ -347,16 +401,61 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot-dir", type=Path, default=None, help="write the PNG plots here")
     p.add_argument("--log-dir", type=Path, default=None, help="service logs (default: tmp)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--report", type=Path, default=None, metavar="JSON",
+                   help="measure nothing: print the tables and checks of a saved --json run "
+                   "(and redraw its plots with --plot-dir)")  # fmt: skip
     return p
+
+
+def load_runs(path: Path) -> tuple[list[ModeRun], dict[str, Any]]:
+    """The runs of a JSON this tool wrote (``--json``), and the run's config."""
+    from bench.serve.result import BenchResult
+
+    doc = json.loads(path.read_text())
+    runs = [
+        ModeRun(Mode(name, describe=m.get("describe", "")), BenchResult.from_dict(m["result"]))
+        for name, m in doc["modes"].items()
+    ]
+    return runs, doc.get("config", {})
+
+
+def report(
+    runs: list[ModeRun], slo: Any, out: Callable[[str], None], plot_dir: Path | None
+) -> tuple[list[dict[str, Any]], list[Check]]:
+    """Summarize, print the side-by-side table, the ITL by phase and the checks; plot."""
+    from bench.serve.plots import plot_cdfs, plot_itl_over_time
+
+    summarize_runs(runs, slo)
+    rows = table_rows(runs)
+    checks = check_targets(rows)
+    out("")
+    out(format_table(rows))
+    out("")
+    out(format_phase_table(phase_rows(runs)))
+    out("")
+    out(format_checks(checks))
+    if plot_dir:
+        plot_dir.mkdir(parents=True, exist_ok=True)
+        results = {r.mode.name: r.result for r in runs}
+        plot_itl_over_time(results, plot_dir / "interference-itl.png")
+        plot_cdfs(results, plot_dir / "interference-cdf.png")
+        out(f"plots: {plot_dir}/interference-itl.png, interference-cdf.png")
+    return rows, checks
 
 
 def main(argv: Sequence[str] | None = None, *, out: Callable[[str], None] = print) -> int:
     args = build_parser().parse_args(argv)
     from bench.serve.metrics import Slo
-    from bench.serve.plots import plot_cdfs, plot_itl_over_time
     from bench.serve.workload import default_tokenizer
     from services.launcher import default_log_dir
 
+    if args.report is not None:
+        runs, config = load_runs(args.report)
+        slo = Slo(ttft_ms=config.get("slo_ttft_ms", args.slo_ttft_ms),
+                  itl_ms=config.get("slo_itl_ms", args.slo_itl_ms))  # fmt: skip
+        out(f"report of {args.report} (SLO TTFT {slo.ttft_ms:g} ms, ITL {slo.itl_ms:g} ms)")
+        report(runs, slo, out, args.plot_dir)
+        return 0
     if args.peer:
         from bench.peers import llama_server
 
@@ -374,19 +473,7 @@ def main(argv: Sequence[str] | None = None, *, out: Callable[[str], None] = prin
         log_dir = log_root / mode.name
         log_dir.mkdir(parents=True, exist_ok=True)
         runs.append(run_mode(mode, args, tokenizer, log_dir))
-    summarize_runs(runs, slo)
-    rows = table_rows(runs)
-    checks = check_targets(rows)
-    out("")
-    out(format_table(rows))
-    out("")
-    out(format_checks(checks))
-    if args.plot_dir:
-        args.plot_dir.mkdir(parents=True, exist_ok=True)
-        results = {r.mode.name: r.result for r in runs}
-        plot_itl_over_time(results, args.plot_dir / "interference-itl.png")
-        plot_cdfs(results, args.plot_dir / "interference-cdf.png")
-        out(f"plots: {args.plot_dir}/interference-itl.png, interference-cdf.png")
+    rows, checks = report(runs, slo, out, args.plot_dir)
     if args.json:
         doc = {
             "command": " ".join(["python -m bench.interference", *(argv or sys.argv[1:])]),

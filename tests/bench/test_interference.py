@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import pytest
 
@@ -86,3 +87,46 @@ def test_every_mode_parses_with_pdserve_up_flags() -> None:
     first = min(os.sched_getaffinity(0))
     assert disagg.control_cpus == {first} and modes[2].client_cpus == {first}
     assert modes[0].client_cpus is None and modes[1].client_cpus is None
+
+
+def test_gaps_are_split_by_what_the_long_requests_were_doing() -> None:
+    # one long request: sent at 1.0 s, first token at 2.0 s, last token at 2.1 s
+    longs = [_long(9, 1.0, 1.0)]
+    assert interference.gap_phase(0.5, 0.9, longs) == "quiet"
+    assert interference.gap_phase(0.9, 1.1, longs) == "prefill"  # overlaps the send
+    assert interference.gap_phase(1.2, 1.9, longs) == "prefill"
+    assert interference.gap_phase(1.95, 2.05, longs) == "prefill"  # still before the first
+    assert interference.gap_phase(2.0, 2.05, longs) == "long-decode"
+    assert interference.gap_phase(2.1, 2.2, longs) == "quiet"  # after its last token
+    # 100 gaps of 0.1 s from t=0.1: 9 before the send (0.1..1.0), 10 overlapping the prefill
+    # (the gap ending at 1.1 .. the one starting at 1.9), 1 in decode, the rest quiet.
+    run = _run("disaggregated", [0.1] * 100, long_ttft=1.0)
+    rows = {r["phase"]: r for r in interference.phase_rows([run])}
+    assert [rows[p]["count"] for p in interference.PHASES] == [2 * 10, 2 * 1, 2 * 89]
+    assert rows["prefill"]["p50"] == pytest.approx(100.0)
+    table = interference.format_phase_table(list(rows.values()))
+    assert "| disaggregated | prefill | 20 | 100 | 100 | 100 |" in table
+
+
+def test_report_replays_a_saved_run(tmp_path: Path) -> None:
+    import json
+
+    colocated = _run("colocated", [0.05] * 99 + [1.0], long_ttft=1.5)
+    disaggregated = _run("disaggregated", [0.06] * 100, long_ttft=2.0)
+    doc = {
+        "config": {"slo_ttft_ms": 1800.0, "slo_itl_ms": 200.0},
+        "modes": {
+            r.mode.name: {"describe": "", "result": r.result.to_dict()}
+            for r in (colocated, disaggregated)
+        },
+    }
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(doc))
+    lines: list[str] = []
+    assert interference.main(["--report", str(path), "--plot-dir", str(tmp_path)],
+                             out=lines.append) == 0  # fmt: skip
+    text = "\n".join(lines)
+    assert "| colocated | 100 |" in text and "| disaggregated | 100 |" in text
+    assert "PASS  disaggregated P99/P50 ITL: 1.00" in text
+    assert "MISS  colocated P99/P50 ITL: 1.19" in text
+    assert (tmp_path / "interference-itl.png").stat().st_size > 0
