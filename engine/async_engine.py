@@ -6,7 +6,15 @@ command queue; results come back as futures and per-request asyncio queues.
 
 Loop (the engine thread): receive commands -> run a batch of queued prefill-only prompts
 (prefill role) -> one ``step()`` of continuous batching (colocated and decode roles) ->
-hand each event to its request's asyncio queue. Idle, it blocks on the command queue.
+hand each event to its request's asyncio queue -> wait (bounded by ``delivery_wait_s``)
+until the event loop has run the consumers those events woke. Idle, it blocks on the
+command queue.
+
+Why the wait: the next step's compute would otherwise race the event loop for the GIL and,
+when the worker has one core, for the core itself, and a token produced now would reach the
+socket only when the scheduler or the 5 ms GIL interval lets the loop in. Handing the loop
+the turn first costs the step the time to send its tokens (what it would pay anyway on
+one core) and takes that tail off every token's delivery.
 """
 
 from __future__ import annotations
@@ -56,10 +64,23 @@ class _PrefillJob:
     future: Future[PrefillOutput]
 
 
+DELIVERY_WAIT_S = 0.002
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, *, prefill_token_budget: int = 4096) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        prefill_token_budget: int = 4096,
+        delivery_wait_s: float = DELIVERY_WAIT_S,
+    ) -> None:
+        if delivery_wait_s < 0:
+            raise ValueError(f"delivery_wait_s must be >= 0, got {delivery_wait_s}")
         self.engine = engine
         self.prefill_token_budget = prefill_token_budget
+        self.delivery_wait_s = delivery_wait_s
+        self.num_delivery_waits = 0  # steps whose wait ran out before the loop had its turn
         self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._prefills: list[_PrefillJob] = []
@@ -220,12 +241,30 @@ class AsyncEngine:
                 if self._prefills:
                     self._run_prefills()
                 if eng.has_unfinished():
-                    for ev in eng.step():
+                    events = eng.step()
+                    for ev in events:
                         self._deliver(ev)
+                    if events:
+                        self._await_consumers()
             except Exception as e:  # an engine bug must not kill the thread silently
                 log.exception("engine_step_failed")
                 self._fail_all(e)
             self._stats = self._snapshot()
+
+    def _await_consumers(self) -> None:
+        """Block (at most ``delivery_wait_s``) until the event loop has run the coroutines
+        this step's events woke: two loop iterations after the deliveries were queued."""
+        loop = self._loop
+        if self.delivery_wait_s <= 0 or loop is None:
+            return
+        turn = threading.Event()
+
+        def second_iteration() -> None:
+            loop.call_soon(turn.set)
+
+        loop.call_soon_threadsafe(loop.call_soon, second_iteration)
+        if not turn.wait(self.delivery_wait_s):
+            self.num_delivery_waits += 1
 
     def _run_commands(self, *, block: bool) -> None:
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import pytest
 
@@ -128,3 +129,60 @@ async def test_cancelling_right_after_submit_never_leaks_a_request(make_engine) 
         assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
     finally:
         await aeng.stop()
+
+
+def _record_steps(eng) -> list[float]:
+    """Wrap ``eng.step`` to log when each step starts (monotonic seconds)."""
+    starts: list[float] = []
+    step = eng.step
+
+    def timed_step():
+        starts.append(time.monotonic())
+        return step()
+
+    eng.step = timed_step
+    return starts
+
+
+async def test_each_step_waits_until_its_tokens_reached_their_consumer(make_engine) -> None:
+    eng = make_engine()
+    starts = _record_steps(eng)
+    aeng = AsyncEngine(eng, delivery_wait_s=5.0)  # generous: the loop always gets its turn
+    aeng.start()
+    received: list[float] = []
+    try:
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        async for _ in aeng.generate("w", "Count to ten:", params):
+            received.append(time.monotonic())
+    finally:
+        await aeng.stop()
+    assert len(received) == 8 and len(starts) >= 8
+    # step k produced token k; step k + 1 began only after the consumer had token k
+    for k in range(7):
+        assert starts[k] < received[k] <= starts[k + 1], k
+    assert aeng.num_delivery_waits == 0
+
+
+async def test_a_blocked_event_loop_delays_a_step_by_at_most_the_wait(make_engine) -> None:
+    eng = make_engine()
+    starts = _record_steps(eng)
+    aeng = AsyncEngine(eng, delivery_wait_s=0.01)
+    aeng.start()
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        stream = aeng.generate("b", "Count to ten:", params)
+        await anext(stream)
+        t0 = time.monotonic()
+        time.sleep(1.0)  # block the event loop: the engine thread must not wait for it
+        steps_while_blocked = sum(1 for s in starts if t0 < s < t0 + 1.0)
+        rest = [ev async for ev in stream]
+    finally:
+        await aeng.stop()
+    assert steps_while_blocked >= 1
+    assert aeng.num_delivery_waits >= 1
+    assert sum(len(ev.new_token_ids) for ev in rest) == 5
+
+
+def test_a_negative_delivery_wait_is_refused(make_engine) -> None:
+    with pytest.raises(ValueError, match="delivery_wait_s"):
+        AsyncEngine(make_engine(), delivery_wait_s=-1.0)
