@@ -30,6 +30,22 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="split prompts into chunks of this many tokens (0: off)",
     )
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument(
+        "--switch-interval-ms",
+        type=_positive_ms,
+        default=0.5,
+        metavar="MS",
+        help="workers: Python's thread switch interval. The engine thread holds the GIL in "
+        "its Python parts; this bounds how long the gRPC/event-loop thread waits to send a "
+        "token (Python's default is 5 ms; default here: %(default)s)",
+    )
+
+
+def _positive_ms(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 100:
+        raise argparse.ArgumentTypeError(f"must be in (0, 100] ms, got {text}")
+    return value
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -1,0 +1,53 @@
+"""The worker process shell's settings: the GIL switch interval flag."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from services.common.worker import apply_switch_interval
+from services.decode.__main__ import build_parser as decode_parser
+from services.prefill.__main__ import build_parser as prefill_parser
+
+
+@pytest.fixture
+def restore_interval() -> Iterator[None]:
+    before = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(before)
+
+
+@pytest.mark.parametrize("parser", [decode_parser, prefill_parser])
+def test_workers_default_to_a_short_switch_interval(parser, restore_interval: None) -> None:
+    args = parser().parse_args([])
+    assert args.switch_interval_ms == 0.5
+    assert apply_switch_interval(args) == pytest.approx(0.0005)
+    assert sys.getswitchinterval() == pytest.approx(0.0005)
+    args = parser().parse_args(["--switch-interval-ms", "2"])
+    assert apply_switch_interval(args) == pytest.approx(0.002)
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "101", "fast"])
+def test_switch_interval_out_of_range_is_a_usage_error(
+    bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        decode_parser().parse_args(["--switch-interval-ms", bad])
+    assert exc.value.code == 2
+    assert "--switch-interval-ms" in capsys.readouterr().err
+
+
+def test_pin_plan_puts_decode_workers_first_and_away_from_the_control_plane() -> None:
+    from services.up import pin_plan
+
+    # two cores, control plane on 0: the decode worker gets the free core
+    assert pin_plan(["prefill-0", "decode-0"], [0, 1], {0}) == {"decode-0": 1, "prefill-0": 0}
+    assert pin_plan(["colocated-0"], [0, 1], {0}) == {"colocated-0": 1}
+    # more workers than free cores: round-robin over free cores, then control cores
+    assert pin_plan(["prefill-0", "prefill-1", "decode-0", "decode-1"], [0, 1, 2, 3], {0}) == {
+        "decode-0": 1, "decode-1": 2, "prefill-0": 3, "prefill-1": 0,
+    }  # fmt: skip
+    # no control plane pinned: decode workers still come first
+    assert pin_plan(["prefill-0", "decode-0"], [4, 5], None) == {"decode-0": 4, "prefill-0": 5}
