@@ -3,7 +3,9 @@
 Disaggregated (default): redis-server, the scheduler, ``--prefill`` prefill workers,
 ``--decode`` decode workers and the gateway, each its own process. ``--colocated``: one
 colocated worker (prefill and decode in one engine) behind the same scheduler and gateway:
-the baseline. ``--pin`` gives each worker its own CPU core (round-robin).
+the baseline. ``--pin`` gives each worker its own CPU core (``pin_plan``: decode workers
+first, on cores outside ``--control-cpus`` first, so the latency-critical token loop is the
+last to share a core with the control plane).
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduler-port", type=int, default=0, help="scheduler gRPC (0: free)")
     p.add_argument("--redis-port", type=int, default=0, help="redis-server port (0: free)")
     p.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker")
-    p.add_argument("--pin", action="store_true", help="pin each worker to its own CPU core")
+    p.add_argument("--pin", action="store_true",
+                   help="pin each worker to its own CPU core (decode workers first, "
+                   "away from --control-cpus first)")  # fmt: skip
     p.add_argument("--control-cpus", type=_cpu_list, default=None, metavar="CPUS",
                    help="pin redis, the scheduler and the gateway to these cores "
                    "(comma list, e.g. 0; default: not pinned)")  # fmt: skip
@@ -64,6 +68,20 @@ def _cpu_list(text: str) -> set[int]:
     return cores
 
 
+def pin_plan(workers: list[str], cores: list[int], control: set[int] | None) -> dict[str, int]:
+    """One core per worker, round-robin: decode (and colocated) workers are placed before
+    prefill workers, and cores outside ``control`` are handed out before control cores.
+
+    >>> pin_plan(["prefill-0", "decode-0"], [0, 1], {0})
+    {'decode-0': 1, 'prefill-0': 0}
+    """
+    order = [w for w in workers if not w.startswith("prefill-")]
+    order += [w for w in workers if w.startswith("prefill-")]
+    ranked = [c for c in cores if c not in (control or set())]
+    ranked += [c for c in cores if c in (control or set())]
+    return {w: ranked[i % len(ranked)] for i, w in enumerate(order)}
+
+
 def _engine_args(args: argparse.Namespace) -> list[str]:
     out = ["--kv-cache-mib", str(args.kv_cache_mib), "--threads", str(args.threads_per_worker),
            "--max-num-seqs", str(args.max_num_seqs)]  # fmt: skip
@@ -87,16 +105,16 @@ def launch(args: argparse.Namespace, stack: Stack) -> dict[str, str]:
         "--heartbeat-ttl", str(args.heartbeat_ttl),
     ), control))  # fmt: skip
     stack.wait_ready(stack.procs)
-    cores = sorted(os.sched_getaffinity(0))
-    slot = 0
+    names = (
+        ["colocated-0"]
+        if args.colocated
+        else [f"prefill-{i}" for i in range(args.prefill)]
+        + [f"decode-{i}" for i in range(args.decode)]
+    )
+    plan = pin_plan(names, sorted(os.sched_getaffinity(0)), control) if args.pin else {}
 
-    def cpus() -> set[int] | None:
-        nonlocal slot
-        if not args.pin:
-            return None
-        core = cores[slot % len(cores)]
-        slot += 1
-        return {core}
+    def cpus(name: str) -> set[int] | None:
+        return {plan[name]} if name in plan else None
 
     common = ["--host", args.host, "--port", "0", "--scheduler", sched.address,
               "--heartbeat-interval", "0.5"]  # fmt: skip
@@ -113,20 +131,20 @@ def launch(args: argparse.Namespace, stack: Stack) -> dict[str, str]:
         workers.append(stack.start(Proc("colocated-0", py(
             "services.decode", "--role", "colocated", *common, *_engine_args(args), *extra,
             *metrics_flag("colocated-0"),
-        ), cpus())))  # fmt: skip
+        ), cpus("colocated-0"))))  # fmt: skip
     else:
         for i in range(args.prefill):
             workers.append(stack.start(Proc(f"prefill-{i}", py(
                 "services.prefill", *common, "--worker-id", f"prefill-{i}", *_engine_args(args),
                 *metrics_flag(f"prefill-{i}"),
-            ), cpus())))  # fmt: skip
+            ), cpus(f"prefill-{i}"))))  # fmt: skip
         transports = [t.strip() for t in args.transport.split(",") if t.strip()]
         for i in range(args.decode):
             workers.append(stack.start(Proc(f"decode-{i}", py(
                 "services.decode", *common, "--worker-id", f"decode-{i}",
                 "--transport", transports[i % len(transports)], *_engine_args(args),
                 *metrics_flag(f"decode-{i}"),
-            ), cpus())))  # fmt: skip
+            ), cpus(f"decode-{i}"))))  # fmt: skip
     gw = ["--host", args.host, "--http-port", str(args.http_port),
           "--grpc-port", str(args.grpc_port),
           "--backend", "cluster", "--scheduler", sched.address]  # fmt: skip
