@@ -16,7 +16,8 @@ churn), so each layer is ``2 x runs`` byte ranges. Every repeat runs, in turn:
   costs ~1.5 us, torch ``copy_`` ~4 us and copies ~0.65x as fast on this CPU), so the ratio
   is the transport's own overhead on top of the copies themselves;
 - ``shm`` / ``tcp``: ``begin`` -> ``write_blocks`` for all 30 layers -> ``finish``, timed from
-  ``begin`` to ``finish`` returning (``plan_ranges`` runs inside ``write_blocks`` and counts);
+  ``begin`` to ``finish`` returning (the job plans the block runs once, ``plan_blocks``, and
+  each ``write_blocks`` takes its layer's ranges from that plan: both count);
   ``wait`` is ``TransferResult.wait_seconds``, how long ``finish`` blocked;
 - ``socket``: a plain blocking TCP loopback socket: an 8-byte length, then one ``sendall`` per
   range (the same chunking), the sink ``recv_into``s a preallocated buffer and acknowledges;
@@ -77,7 +78,7 @@ from bench._common import (
     ratio,
     write_json,
 )
-from transfer import ByteRange, KVLayout, MemoryRegionHandle, get_transport, plan_ranges
+from transfer import ByteRange, KVLayout, MemoryRegionHandle, get_transport, plan_blocks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,6 +130,7 @@ class BenchConfig:
     hop_repeats: int
     gateway: bool
     seed: int
+    hop_pin: bool = True  # engines on their own core; client, gateway, control on another
 
     def __post_init__(self) -> None:
         if not self.sizes or min(self.sizes) < 1:
@@ -252,7 +254,7 @@ class SizeResult:
     nbytes: int
     blocks: int
     ranges: int  # byte ranges of the whole request (all layers)
-    plan_s: float  # plan_ranges for all layers, once (inside the transports' timings)
+    plan_s: float  # plan_blocks once + every layer's ranges (inside the transports' timings)
     methods: dict[str, MethodResult]
 
     def gb_per_s(self, method: str) -> float:
@@ -326,6 +328,7 @@ class HopResult:
     tokens: int
     repeats: int
     paths: tuple[HopPath, ...]
+    pinned: bool = False
 
     def base(self) -> HopPath:
         return self.paths[0]
@@ -358,7 +361,8 @@ class HopResult:
                 )
                 entry["passed"] = delay.p99 * 1e3 <= HOP_TARGET_MS
             paths.append(entry)
-        return {"tokens": self.tokens, "repeats": self.repeats, "paths": paths}
+        return {"tokens": self.tokens, "repeats": self.repeats, "pinned": self.pinned,
+                "paths": paths}  # fmt: skip
 
 
 # -- tables ------------------------------------------------------------------------------
@@ -394,7 +398,7 @@ def latency_table(results: Sequence[SizeResult]) -> str:
 
     header = (
         "tokens", "memcpy", "shm", "shm finish wait", "socket", "tcp", "tcp finish wait",
-        "plan_ranges",
+        "planning",
     )  # fmt: skip
     rows = []
     for r in results:
@@ -643,11 +647,10 @@ class TransferBench:
         src_ids, dst_ids = request_block_ids(
             nblocks, self.src_layout.num_blocks, self.dst_layout.num_blocks, self.cfg.seed + tokens
         )
+        # What a transport job does: find the block runs once, then each layer's ranges.
         t0 = time.perf_counter()
-        per_layer = [
-            plan_ranges(self.src_layout, self.dst_layout, src_ids, dst_ids, layer)
-            for layer in range(NUM_LAYERS)
-        ]
+        plan = plan_blocks(self.src_layout, self.dst_layout, src_ids, dst_ids)
+        per_layer = [plan.ranges(layer) for layer in range(NUM_LAYERS)]
         plan_s = time.perf_counter() - t0
         ranges = [r for layer in per_layer for r in layer]
         nbytes = sum(n for _, _, n in ranges)
@@ -731,7 +734,7 @@ class Service:
     group (what ``pdserve up`` started) can be killed.
     """
 
-    def __init__(self, argv: Sequence[str]) -> None:
+    def __init__(self, argv: Sequence[str], cpus: set[int] | None = None) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
@@ -742,6 +745,7 @@ class Service:
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
         self.address = ""  # where a client connects, once known
         self.lines: list[str] = []
@@ -861,7 +865,9 @@ async def _stream_gateway(stub: Any, rid: str, ids: list[int], n: int) -> tuple:
     return arrivals, tokens, delays
 
 
-async def _hop_async(cfg: BenchConfig, services: dict[str, Service], errors: dict) -> HopResult:
+async def _hop_async(
+    cfg: BenchConfig, services: dict[str, Service], errors: dict, engine_cpus: set[int] | None
+) -> HopResult:
     import grpc
 
     from engine.async_engine import AsyncEngine
@@ -873,6 +879,10 @@ async def _hop_async(cfg: BenchConfig, services: dict[str, Service], errors: dic
     )
     aengine = AsyncEngine(engine)
     aengine.start()
+    if engine_cpus:  # the in-process engine's thread computes where the workers' engines do
+        (thread,) = [t for t in threading.enumerate() if t.name == "engine"]
+        assert thread.native_id is not None
+        os.sched_setaffinity(thread.native_id, engine_cpus)
     streams: dict[str, Callable[[str, list[int], int], Any]] = {
         "in-process AsyncEngine": lambda r, i, n: _stream_inprocess(aengine, r, i, n)
     }
@@ -937,17 +947,29 @@ async def _hop_async(cfg: BenchConfig, services: dict[str, Service], errors: dic
         HopPath(name, tuple(g), match[name], delays=tuple(delays[name])) for name, g in gaps.items()
     ]
     paths += [HopPath(name, (), False, err) for name, err in errors.items()]
-    return HopResult(cfg.hop_tokens, cfg.hop_repeats, tuple(paths))
+    return HopResult(cfg.hop_tokens, cfg.hop_repeats, tuple(paths), pinned=bool(engine_cpus))
+
+
+def hop_cores(pin: bool) -> tuple[set[int] | None, set[int] | None]:
+    """(client cores, engine cores) for the hop: with ``pin`` and 2+ cores, this client,
+    the gateway and the control plane get the first core and every engine the second (the
+    layout ``pdserve up --pin --control-cpus`` gives); otherwise nothing is pinned."""
+    cores = sorted(os.sched_getaffinity(0))
+    if not pin or len(cores) < 2:
+        return None, None
+    return {cores[0]}, {cores[1]}
 
 
 def run_hop(cfg: BenchConfig) -> HopResult:
     """Start the services (they load while this process loads its engine), measure, stop."""
     services: dict[str, Service] = {}
     errors: dict[str, str] = {}
+    client, engine = hop_cores(cfg.hop_pin)
+    before = os.sched_getaffinity(0)
     try:
         services["decode"] = Service(
             ["-m", "services.decode", "--role", "colocated", "--port", "0", "--threads", "1",
-             "--kv-cache-mib", str(HOP_KV_MIB), "--metrics-port", "0"]
+             "--kv-cache-mib", str(HOP_KV_MIB), "--metrics-port", "0"], cpus=engine,
         )  # fmt: skip
         if not cfg.gateway:
             errors["gateway → decode gRPC"] = "skipped (--no-gateway)"
@@ -955,15 +977,19 @@ def run_hop(cfg: BenchConfig) -> HopResult:
             errors["gateway → decode gRPC"] = "services.gateway has no --backend cluster"
         else:
             grpc_port = _free_port()
+            pin = ["--pin", "--control-cpus", str(min(client))] if client else []
             gw = Service(
                 ["-m", "services.cli", "up", "--colocated", "--http-port", str(_free_port()),
                  "--grpc-port", str(grpc_port), "--threads-per-worker", "1",
-                 "--kv-cache-mib", str(HOP_KV_MIB)]
+                 "--kv-cache-mib", str(HOP_KV_MIB), *pin], cpus=client,
             )  # fmt: skip
             gw.address = f"127.0.0.1:{grpc_port}"
             services["gateway"] = gw
-        return asyncio.run(_hop_async(cfg, services, errors))
+        if client:
+            os.sched_setaffinity(0, client)  # this thread: the client's event loop
+        return asyncio.run(_hop_async(cfg, services, errors, engine))
     finally:
+        os.sched_setaffinity(0, before)
         for svc in services.values():
             svc.stop()
 
@@ -984,6 +1010,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--hop-tokens", type=int, help="tokens per hop request (default: 64)")
     p.add_argument("--hop-repeats", type=int, help="requests per hop path (default: 10)")
     p.add_argument("--no-gateway", action="store_true", help="hop: skip the pdserve-up stack")
+    p.add_argument(
+        "--no-hop-pin",
+        action="store_true",
+        help="hop: leave every process unpinned (default with 2+ cores: each engine on the "
+        "second core, this client, the gateway and the control plane on the first)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of block ids and prompts")
     p.add_argument("--json", metavar="OUT", help="write results (every sample) to this file")
     p.add_argument(
@@ -1009,6 +1041,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         hop_repeats=pick("hop_repeats"),
         gateway=not args.no_gateway,
         seed=args.seed,
+        hop_pin=not args.no_hop_pin,
     )
 
 
@@ -1042,7 +1075,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
         print(
             f"Serving hop: inter-token latency, {hop.repeats} requests × {hop.tokens} tokens "
-            f"per path, 1 thread per engine:"
+            f"per path, 1 thread per engine"
+            + (
+                ", engines pinned to one core, client, gateway and control plane to another:"
+                if hop.pinned
+                else " (unpinned):"
+            )
         )
         print(hop_table(hop))
     if args.json:
