@@ -617,7 +617,9 @@ class TransferBench:
             dst[d : d + n] = src[s : s + n]
         return time.perf_counter() - t0
 
-    def _transport(self, name: str, src_ids: list[int], dst_ids: list[int]) -> tuple[float, float]:
+    def _transport(
+        self, name: str, src_ids: tuple[int, ...], dst_ids: tuple[int, ...]
+    ) -> tuple[float, float]:
         self._ids += 1
         writer = self.writers[name]
         t0 = time.perf_counter()
@@ -644,9 +646,11 @@ class TransferBench:
     # one size -------------------------------------------------------------------------
     def run_size(self, tokens: int) -> SizeResult:
         nblocks = blocks_for(tokens)
-        src_ids, dst_ids = request_block_ids(
+        src_list, dst_list = request_block_ids(
             nblocks, self.src_layout.num_blocks, self.dst_layout.num_blocks, self.cfg.seed + tokens
         )
+        # Tuples, as a prefill worker passes them (its plan's ids and the request's).
+        src_ids, dst_ids = tuple(src_list), tuple(dst_list)
         # What a transport job does: find the block runs once, then each layer's ranges.
         t0 = time.perf_counter()
         plan = plan_blocks(self.src_layout, self.dst_layout, src_ids, dst_ids)

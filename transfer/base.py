@@ -149,6 +149,10 @@ class _CachedPlan:
     src: torch.Tensor
     plan: BlockPlan
     src_fits: bool  # every layer of the plan lies inside ``src``
+    # the id sequences exactly as passed: when both are tuples (immutable), the next
+    # call with the very same objects needs no comparison
+    src_arg: object = None
+    dst_arg: object = None
 
 
 class TransferJob(ABC):
@@ -184,8 +188,23 @@ class TransferJob(ABC):
         source pool, no write needs per-range checks: a layer's runs stay inside both pools
         because the layer does.
         """
-        src_ids, dst_ids = tuple(src_block_ids), tuple(dst_block_ids)
         cached: _CachedPlan | None = getattr(self, "_plan_cache", None)
+        if (
+            cached is not None
+            and cached.src_arg is src_block_ids
+            and cached.dst_arg is dst_block_ids
+            and cached.src is src
+            and cached.src_layout is src_layout
+            and type(src_block_ids) is tuple
+            and type(dst_block_ids) is tuple
+        ):  # the same immutable ids as the last layer: the common case, kept cheap
+            check_layer(layer, src_layout.num_layers)
+            if cached.src_fits:
+                self._write_planned(layer, src, cached.plan)
+            else:
+                self.write(layer, src, cached.plan.ranges(layer))
+            return
+        src_ids, dst_ids = tuple(src_block_ids), tuple(dst_block_ids)
         if (
             cached is None
             or cached.src is not src
@@ -196,7 +215,9 @@ class TransferJob(ABC):
             plan = plan_blocks(src_layout, self.handle.layout, src_ids, dst_ids)
             check_layer(layer, src_layout.num_layers)
             fits = self._source_fits(src, src_layout)
-            self._plan_cache = _CachedPlan(src_layout, src_ids, dst_ids, src, plan, fits)
+            self._plan_cache = _CachedPlan(
+                src_layout, src_ids, dst_ids, src, plan, fits, src_block_ids, dst_block_ids
+            )
             cached = self._plan_cache
         else:
             check_layer(layer, src_layout.num_layers)

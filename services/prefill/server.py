@@ -76,7 +76,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                     f"transport {handle.transport!r} is not served here "
                     f"(have {sorted(self.transports)})"
                 )
-            dst_ids = list(dest.block_ids)
+            dst_ids = tuple(dest.block_ids)
             need = self.aengine.engine.blocks.blocks_needed(len(ids))
             if len(dst_ids) != need:
                 raise InvalidRequestError(

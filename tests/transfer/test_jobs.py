@@ -19,6 +19,7 @@ from tests.transfer.target import (
     DST_SEED,
     SRC_LAYOUT,
     SRC_SEED,
+    blocks_view,
     expected_pool,
     pattern,
     wait_until,
@@ -130,3 +131,43 @@ def test_a_source_smaller_than_its_layout_is_refused_by_name(
     with pytest.raises(TransferError, match="destination block id 12"):
         job.write_blocks(0, short, SRC_LAYOUT, SRC_IDS, [5, 6, 0, 12])
     assert job.finish().layers == 1
+
+
+def test_same_id_tuples_reuse_the_plan_and_changed_ids_replan(
+    pair: tuple[KVRegion, RegionWriter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import transfer.base
+
+    region, writer = pair
+    src = pattern(SRC_LAYOUT.total_bytes, SRC_SEED)
+    planned: list[int] = []
+    real = transfer.base.plan_blocks
+
+    def counting(*args: object, **kwargs: object):
+        planned.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transfer.base, "plan_blocks", counting)
+    src_ids, dst_ids = tuple(SRC_IDS), tuple(DST_IDS)
+    job = writer.begin("tuples", deadline=time.monotonic() + 10)
+    for layer in range(4):
+        job.write_blocks(layer, src, SRC_LAYOUT, src_ids, dst_ids)
+    assert len(planned) == 1  # the same tuples: planned once, then reused as they are
+    job.finish()
+    assert torch.equal(region.tensor, _want([0, 1, 2, 3]))
+    # A list is mutable: equal content reuses the plan, changed content is planned anew
+    # (an identity shortcut on a list could copy a changed request to stale blocks).
+    region.tensor.copy_(pattern(DST_LAYOUT.total_bytes, DST_SEED))
+    ids = list(DST_IDS)
+    job = writer.begin("lists", deadline=time.monotonic() + 10)
+    job.write_blocks(0, src, SRC_LAYOUT, SRC_IDS, ids)
+    ids[0] = 7
+    job.write_blocks(1, src, SRC_LAYOUT, SRC_IDS, ids)
+    assert len(planned) == 3
+    job.finish()
+    want = pattern(DST_LAYOUT.total_bytes, DST_SEED)
+    src_blocks, want_blocks = blocks_view(src, SRC_LAYOUT), blocks_view(want, DST_LAYOUT)
+    for layer, dsts in ((0, DST_IDS), (1, ids)):
+        for s, d in zip(SRC_IDS, dsts, strict=True):
+            want_blocks[layer, :, d] = src_blocks[layer, :, s]
+    assert torch.equal(region.tensor, want)
