@@ -81,6 +81,11 @@ class AsyncEngine:
         self.prefill_token_budget = prefill_token_budget
         self.delivery_wait_s = delivery_wait_s
         self.num_delivery_waits = 0  # steps whose wait ran out before the loop had its turn
+        # ``on_step(kind, seconds, size)`` runs on the engine thread after every unit of
+        # work: kind "step" (one continuous-batching step; size: events it produced) or
+        # "prefill" (a batch of prefill-only prompts; size: prompts). For metrics: it must
+        # be quick, and what it raises is logged, never propagated.
+        self.on_step: Callable[[str, float, int], None] | None = None
         self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._prefills: list[_PrefillJob] = []
@@ -241,7 +246,9 @@ class AsyncEngine:
                 if self._prefills:
                     self._run_prefills()
                 if eng.has_unfinished():
+                    t0 = time.perf_counter()
                     events = eng.step()
+                    self._report("step", time.perf_counter() - t0, len(events))
                     for ev in events:
                         self._deliver(ev)
                     if events:
@@ -250,6 +257,15 @@ class AsyncEngine:
                 log.exception("engine_step_failed")
                 self._fail_all(e)
             self._stats = self._snapshot()
+
+    def _report(self, kind: str, seconds: float, size: int) -> None:
+        hook = self.on_step
+        if hook is None:
+            return
+        try:
+            hook(kind, seconds, size)
+        except Exception:  # a metrics hook must never stop the engine
+            log.exception("on_step_failed")
 
     def _await_consumers(self) -> None:
         """Block (at most ``delivery_wait_s``) until the event loop has run the coroutines
@@ -309,7 +325,9 @@ class AsyncEngine:
                 self.engine.release(j.plan.request_id)
                 j.future.set_exception(e)
             return
-        log.debug("prefill_batch", size=len(batch), tokens=tokens, seconds=time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        log.debug("prefill_batch", size=len(batch), tokens=tokens, seconds=seconds)
+        self._report("prefill", seconds, len(batch))
         for j, out in zip(batch, outs, strict=True):
             j.future.set_result(out)
 

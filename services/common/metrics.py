@@ -41,3 +41,14 @@ TRANSFER_SECONDS = Histogram(
     "pdserve:kv_transfer_seconds", "Per-request KV transfer time (first write to confirmed).",
     ["role", "transport"], buckets=_LATENCY_BUCKETS,
 )  # fmt: skip
+ENGINE_STEP_SECONDS = Histogram(
+    "pdserve:engine_step_seconds",
+    "Duration of one unit of engine work: a continuous-batching step (kind=step) or a batch "
+    "of prefill-only prompts (kind=prefill).",
+    ["role", "kind"], buckets=_LATENCY_BUCKETS,
+)  # fmt: skip
+DELIVERY_WAIT_TIMEOUTS = Counter(
+    "pdserve:engine_delivery_wait_timeouts_total",
+    "Steps after which the engine stopped waiting for the event loop to send their tokens.",
+    ["role"],
+)

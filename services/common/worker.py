@@ -95,6 +95,16 @@ def apply_switch_interval(args: argparse.Namespace) -> float:
     return sys.getswitchinterval()
 
 
+def step_observer(role: str) -> Callable[[str, float, int], None]:
+    """An ``AsyncEngine.on_step`` hook feeding ``pdserve:engine_step_seconds``."""
+    series = {kind: metrics.ENGINE_STEP_SECONDS.labels(role, kind) for kind in ("step", "prefill")}
+
+    def observe(kind: str, seconds: float, size: int) -> None:
+        series[kind].observe(seconds)
+
+    return observe
+
+
 async def serve_worker(
     args: argparse.Namespace,
     role: str,
@@ -106,11 +116,18 @@ async def serve_worker(
     """Run until SIGTERM; then stop taking work and wait for in-flight requests."""
     apply_switch_interval(args)
     start_metrics(args.metrics_port, args.host)
+    aengine.on_step = step_observer(role)
+    metrics.DELIVERY_WAIT_TIMEOUTS.labels(role)  # exported at 0 from the start
     aengine.start()
 
     async def publish_gauges() -> None:
+        waits = 0
         while True:
             load_snapshot(aengine, role)
+            now = aengine.num_delivery_waits
+            if now > waits:
+                metrics.DELIVERY_WAIT_TIMEOUTS.labels(role).inc(now - waits)
+                waits = now
             await asyncio.sleep(0.1)
 
     background = [publish_gauges()]

@@ -186,3 +186,24 @@ async def test_a_blocked_event_loop_delays_a_step_by_at_most_the_wait(make_engin
 def test_a_negative_delivery_wait_is_refused(make_engine) -> None:
     with pytest.raises(ValueError, match="delivery_wait_s"):
         AsyncEngine(make_engine(), delivery_wait_s=-1.0)
+
+
+async def test_on_step_reports_every_step_and_a_failing_hook_is_contained(make_engine) -> None:
+    aeng = AsyncEngine(make_engine())
+    seen: list[tuple[str, float, int]] = []
+
+    def hook(kind: str, seconds: float, size: int) -> None:
+        seen.append((kind, seconds, size))
+        if len(seen) == 2:
+            raise RuntimeError("a broken metrics hook")
+
+    aeng.on_step = hook
+    aeng.start()
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        events = [ev async for ev in aeng.generate("h", "Count to ten:", params)]
+    finally:
+        await aeng.stop()
+    assert sum(len(ev.new_token_ids) for ev in events) == 6  # the raise stopped nothing
+    steps = [s for s in seen if s[0] == "step"]
+    assert len(steps) == 6 and all(sec > 0 and size == 1 for _, sec, size in steps)

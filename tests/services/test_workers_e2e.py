@@ -134,6 +134,10 @@ async def test_disaggregated_equals_colocated(cluster, prompts, expected, transp
     assert sum(last.kv_transfer_bytes for _, last in results) == want
     after = _metric(ports[transport], "pdserve:kv_transfer_bytes_total")
     assert after - before == want
+    # every engine step is timed: decode steps here, prefill batches on the prefill worker
+    assert _metric(ports[transport], "pdserve:engine_step_seconds_count") >= MAX_TOKENS - 1
+    assert _metric(ports["prefill"], "pdserve:engine_step_seconds_count") >= 1
+    assert _metric(ports[transport], "pdserve:engine_delivery_wait_timeouts_total") >= 0
     for _, last in results:
         assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert last.usage.completion_tokens == MAX_TOKENS
