@@ -136,8 +136,12 @@ class Target:
         self.process.kill()
         self.process.join(10.0)
 
-    def pause(self) -> None:
+    def pause(self, timeout: float = 5.0) -> None:
+        """SIGSTOP the target and return once the kernel reports it stopped: the signal is
+        delivered asynchronously, and a target still running for a millisecond could take
+        and acknowledge a small transfer sent right after ``os.kill`` returned."""
         os.kill(self.pid, signal.SIGSTOP)
+        assert wait_until(lambda: _state(self.pid) in ("T", "t"), timeout), "target did not stop"
 
     def resume(self) -> None:
         os.kill(self.pid, signal.SIGCONT)
@@ -161,3 +165,9 @@ def wait_until(predicate: Any, timeout: float) -> bool:
             return True
         time.sleep(0.01)
     return predicate()
+
+
+def _state(pid: int) -> str:
+    """The process state letter from ``/proc/<pid>/stat`` (``T``: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
