@@ -49,6 +49,27 @@ _ALIVE_EVERY_S = 0.02
 _ALIVE_FRESH_S = 0.001
 
 
+# madvise(MADV_POPULATE_WRITE), Linux 5.14+ (Python's mmap module has no name for it).
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_PAGE = mmap.PAGESIZE
+
+
+def populate(mapping: mmap.mmap) -> None:
+    """Map every page of ``mapping`` into this process now, without changing its bytes.
+
+    A fresh mapping of a segment is empty: each 4 KiB page costs a fault on its first
+    touch, ~0.7 ms per MiB here (a 1,040-token request's 46 MiB of KV: ~30 ms). Left to
+    the first decode step that reads a newly arrived request's KV, that stalls every
+    stream in the batch. So the owner populates its mapping once, when it registers the
+    region at startup (~0.25 ms per MiB)."""
+    try:
+        mapping.madvise(_MADV_POPULATE_WRITE)
+        return
+    except (OSError, ValueError):  # an older kernel: read one byte of every page instead
+        pass
+    np.frombuffer(mapping, dtype=np.uint8)[::_PAGE].sum()
+
+
 def _owner_alive(fd: int) -> bool:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -118,6 +139,7 @@ class ShmRegion(KVRegion):
                     "is the shared-memory mount big enough?"
                 ) from exc
             mapping = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            populate(mapping)
             os.rename(tmp, path)
         except BaseException:
             os.unlink(tmp)
@@ -176,6 +198,9 @@ class ShmWriter(QueuedWriter):
             if not _owner_alive(fd):
                 _unlink_if_same(path, fd)
                 raise TransferError(f"owner of shm segment {path} is gone")
+            # Not populated: a writer opens its mapping on a request's path (the first
+            # transfer to this target), where populating a large pool would stall that
+            # request; its first-touch faults land on the writer's core, spread over writes.
             mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)

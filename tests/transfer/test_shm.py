@@ -212,3 +212,34 @@ def test_one_live_job_per_request_and_close_fails_jobs_in_flight() -> None:
         with pytest.raises(TransferError, match="closed"):
             writer.begin("c", deadline=time.monotonic() + 10)
         assert transport.connect(region.handle) is not writer  # a closed writer is replaced
+
+
+def _resident_kib(path: str) -> list[int]:
+    """Rss of every mapping of ``path`` in this process (from /proc/self/smaps), in KiB."""
+    out: list[int] = []
+    current = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+                current = len(fields) >= 6 and fields[5] == path
+            elif current and fields[0] == "Rss:":
+                out.append(int(fields[1]))
+    return out
+
+
+def test_the_owner_maps_every_page_up_front() -> None:
+    # A first touch of an unmapped page is a fault; ~30 ms for one long request's KV, which
+    # the first decode step after it joined would pay while every stream waits.
+    layout = KVLayout(
+        num_layers=2, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=64, dtype="float32"
+    )
+    with ShmTransport() as owner, ShmTransport() as initiator:
+        region = owner.register(layout)
+        path = region.handle.address
+        kib = layout.total_bytes // 1024
+        assert _resident_kib(path) == [kib]  # the owner's mapping, before any use
+        # a writer maps lazily: populating a big pool on a request's path would stall it
+        writer = initiator.connect(region.handle)
+        assert sorted(_resident_kib(path)) == [0, kib]
+        writer.close()
