@@ -189,7 +189,7 @@ class TransferJob(ABC):
         because the layer does.
         """
         cached: _CachedPlan | None = getattr(self, "_plan_cache", None)
-        if (
+        same_tuples = (  # the same immutable ids as the last layer: the common case, cheap
             cached is not None
             and cached.src_arg is src_block_ids
             and cached.dst_arg is dst_block_ids
@@ -197,30 +197,24 @@ class TransferJob(ABC):
             and cached.src_layout is src_layout
             and type(src_block_ids) is tuple
             and type(dst_block_ids) is tuple
-        ):  # the same immutable ids as the last layer: the common case, kept cheap
-            check_layer(layer, src_layout.num_layers)
-            if cached.src_fits:
-                self._write_planned(layer, src, cached.plan)
-            else:
-                self.write(layer, src, cached.plan.ranges(layer))
-            return
-        src_ids, dst_ids = tuple(src_block_ids), tuple(dst_block_ids)
-        if (
-            cached is None
-            or cached.src is not src
-            or cached.src_block_ids != src_ids
-            or cached.dst_block_ids != dst_ids
-            or (cached.src_layout is not src_layout and cached.src_layout != src_layout)
-        ):
-            plan = plan_blocks(src_layout, self.handle.layout, src_ids, dst_ids)
-            check_layer(layer, src_layout.num_layers)
-            fits = self._source_fits(src, src_layout)
-            self._plan_cache = _CachedPlan(
-                src_layout, src_ids, dst_ids, src, plan, fits, src_block_ids, dst_block_ids
-            )
-            cached = self._plan_cache
-        else:
-            check_layer(layer, src_layout.num_layers)
+        )
+        if not same_tuples:
+            src_ids, dst_ids = tuple(src_block_ids), tuple(dst_block_ids)
+            if (
+                cached is None
+                or cached.src is not src
+                or cached.src_block_ids != src_ids
+                or cached.dst_block_ids != dst_ids
+                or (cached.src_layout is not src_layout and cached.src_layout != src_layout)
+            ):
+                plan = plan_blocks(src_layout, self.handle.layout, src_ids, dst_ids)
+                fits = self._source_fits(src, src_layout)
+                cached = _CachedPlan(
+                    src_layout, src_ids, dst_ids, src, plan, fits, src_block_ids, dst_block_ids
+                )
+                self._plan_cache = cached
+        assert cached is not None
+        check_layer(layer, src_layout.num_layers)
         if not cached.src_fits:
             self.write(layer, src, cached.plan.ranges(layer))  # full checks, clear errors
             return
