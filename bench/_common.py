@@ -12,11 +12,27 @@ import os
 import platform
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence, Set
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+
+@contextmanager
+def pinned(cpus: Set[int] | None) -> Iterator[None]:
+    """Run the calling thread (and the threads it starts) on ``cpus`` inside the block;
+    ``None`` or empty: leave the affinity alone."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def median(values: Sequence[float]) -> float:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench._common import machine_info
+from bench._common import machine_info, pinned
 
 MODES = ("colocated", "colocated-chunked", "disaggregated")
 PEER = "llama.cpp"
@@ -184,27 +184,13 @@ def run_mode(mode: Mode, args: argparse.Namespace, tokenizer: Any, log_dir: Path
         seed=args.seed + 1,
     )
     server = peer_server(args, log_dir) if mode.peer else pdserve_stack(mode, log_dir)
-    with server as base_url, _pinned(mode.client_cpus):
+    with server as base_url, pinned(mode.client_cpus):
         asyncio.run(run_benchmark(base_url, warmup, timeout_s=args.timeout_s, progress=False))
         _wait_quiet(args.max_load, args.quiet_timeout_s)
         result = asyncio.run(
             run_benchmark(base_url, requests, timeout_s=args.timeout_s, progress=args.progress)
         )
     return ModeRun(mode, result)
-
-
-@contextmanager
-def _pinned(cpus: frozenset[int] | None) -> Iterator[None]:
-    """Run this process on ``cpus`` inside the block (no-op for ``None``)."""
-    if cpus is None:
-        yield
-        return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cpus)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
 
 
 def _wait_quiet(max_load: float, timeout_s: float) -> None:

@@ -75,6 +75,7 @@ from bench._common import (
     machine_info,
     markdown_table,
     percentile,
+    pinned,
     ratio,
     write_json,
 )
@@ -969,7 +970,6 @@ def run_hop(cfg: BenchConfig) -> HopResult:
     services: dict[str, Service] = {}
     errors: dict[str, str] = {}
     client, engine = hop_cores(cfg.hop_pin)
-    before = os.sched_getaffinity(0)
     try:
         services["decode"] = Service(
             ["-m", "services.decode", "--role", "colocated", "--port", "0", "--threads", "1",
@@ -989,11 +989,9 @@ def run_hop(cfg: BenchConfig) -> HopResult:
             )  # fmt: skip
             gw.address = f"127.0.0.1:{grpc_port}"
             services["gateway"] = gw
-        if client:
-            os.sched_setaffinity(0, client)  # this thread: the client's event loop
-        return asyncio.run(_hop_async(cfg, services, errors, engine))
+        with pinned(client):  # this thread: the client's event loop
+            return asyncio.run(_hop_async(cfg, services, errors, engine))
     finally:
-        os.sched_setaffinity(0, before)
         for svc in services.values():
             svc.stop()
 

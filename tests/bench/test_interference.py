@@ -130,3 +130,15 @@ def test_report_replays_a_saved_run(tmp_path: Path) -> None:
     assert "PASS  disaggregated P99/P50 ITL: 1.00" in text
     assert "MISS  colocated P99/P50 ITL: 1.19" in text
     assert (tmp_path / "interference-itl.png").stat().st_size > 0
+
+
+def test_pinned_moves_this_thread_and_restores_it() -> None:
+    from bench._common import pinned
+
+    before = os.sched_getaffinity(0)
+    first = min(before)
+    with pinned(frozenset({first})):
+        assert os.sched_getaffinity(0) == {first}
+    assert os.sched_getaffinity(0) == before
+    with pinned(None):
+        assert os.sched_getaffinity(0) == before
