@@ -139,20 +139,38 @@ class KVRegion(ABC):
         self.close()
 
 
-@dataclass(frozen=True)
 class _CachedPlan:
-    """The block plan ``write_blocks`` made for a job, with what it was made for."""
+    """The block plan ``write_blocks`` made for a job, with what it was made for.
 
-    src_layout: KVLayout
-    src_block_ids: tuple[int, ...]
-    dst_block_ids: tuple[int, ...]
-    src: torch.Tensor
-    plan: BlockPlan
-    src_fits: bool  # every layer of the plan lies inside ``src``
-    # the id sequences exactly as passed: when both are tuples (immutable), the next
-    # call with the very same objects needs no comparison
-    src_arg: object = None
-    dst_arg: object = None
+    ``src_arg`` / ``dst_arg``: the id sequences exactly as passed when both are tuples
+    (immutable), else None: the next call with the very same objects needs no comparison.
+    A plain class with slots: every request makes one, on its first layer's path.
+    """
+
+    __slots__ = (
+        "dst_arg", "dst_block_ids", "plan", "src", "src_arg", "src_block_ids", "src_fits",
+        "src_layout",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        src_layout: KVLayout,
+        src_block_ids: tuple[int, ...],
+        dst_block_ids: tuple[int, ...],
+        src: torch.Tensor,
+        plan: BlockPlan,
+        src_fits: bool,  # every layer of the plan lies inside ``src``
+        src_arg: object,
+        dst_arg: object,
+    ) -> None:
+        self.src_layout = src_layout
+        self.src_block_ids = src_block_ids
+        self.dst_block_ids = dst_block_ids
+        self.src = src
+        self.plan = plan
+        self.src_fits = src_fits
+        self.src_arg = src_arg
+        self.dst_arg = dst_arg
 
 
 class TransferJob(ABC):
@@ -161,6 +179,7 @@ class TransferJob(ABC):
     request_id: str
     deadline: float
     handle: MemoryRegionHandle
+    _plan_cache: _CachedPlan | None = None
 
     @abstractmethod
     def write(self, layer: int, src: torch.Tensor, ranges: Sequence[ByteRange]) -> None:
@@ -188,37 +207,49 @@ class TransferJob(ABC):
         source pool, no write needs per-range checks: a layer's runs stay inside both pools
         because the layer does.
         """
-        cached: _CachedPlan | None = getattr(self, "_plan_cache", None)
-        same_tuples = (  # the same immutable ids as the last layer: the common case, cheap
-            cached is not None
-            and cached.src_arg is src_block_ids
-            and cached.dst_arg is dst_block_ids
-            and cached.src is src
-            and cached.src_layout is src_layout
-            and type(src_block_ids) is tuple
-            and type(dst_block_ids) is tuple
-        )
-        if not same_tuples:
-            src_ids, dst_ids = tuple(src_block_ids), tuple(dst_block_ids)
-            if (
-                cached is None
-                or cached.src is not src
-                or cached.src_block_ids != src_ids
-                or cached.dst_block_ids != dst_ids
-                or (cached.src_layout is not src_layout and cached.src_layout != src_layout)
-            ):
-                plan = plan_blocks(src_layout, self.handle.layout, src_ids, dst_ids)
-                fits = self._source_fits(src, src_layout)
-                cached = _CachedPlan(
-                    src_layout, src_ids, dst_ids, src, plan, fits, src_block_ids, dst_block_ids
-                )
-                self._plan_cache = cached
-        assert cached is not None
-        check_layer(layer, src_layout.num_layers)
-        if not cached.src_fits:
+        cached = self._plan_cache
+        if (  # the same immutable ids, pool and layout as the last layer: the common case
+            cached is None
+            or cached.src_arg is not src_block_ids
+            or cached.dst_arg is not dst_block_ids
+            or cached.src is not src
+            or cached.src_layout is not src_layout
+        ):
+            cached = self._plan_for(src, src_layout, src_block_ids, dst_block_ids)
+        if layer.__class__ is not int or not 0 <= layer < src_layout.num_layers:
+            check_layer(layer, src_layout.num_layers)  # raises, naming the layer
+        if cached.src_fits:
+            self._write_planned(layer, src, cached.plan)
+        else:
             self.write(layer, src, cached.plan.ranges(layer))  # full checks, clear errors
-            return
-        self._write_planned(layer, src, cached.plan)
+
+    def _plan_for(
+        self,
+        src: torch.Tensor,
+        src_layout: KVLayout,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+    ) -> _CachedPlan:
+        """The job's plan for these arguments: the cached one when the ids, pool and layout
+        are equal to its own, else a new plan (``plan_blocks`` checks the ids)."""
+        src_ids, dst_ids = tuple(src_block_ids), tuple(dst_block_ids)
+        immutable = type(src_block_ids) is tuple and type(dst_block_ids) is tuple
+        src_arg, dst_arg = (src_block_ids, dst_block_ids) if immutable else (None, None)
+        cached = self._plan_cache
+        if (
+            cached is None
+            or cached.src is not src
+            or cached.src_block_ids != src_ids
+            or cached.dst_block_ids != dst_ids
+            or (cached.src_layout is not src_layout and cached.src_layout != src_layout)
+        ):
+            plan = plan_blocks(src_layout, self.handle.layout, src_ids, dst_ids)
+            fits = self._source_fits(src, src_layout)
+        else:
+            plan, fits = cached.plan, cached.src_fits
+        cached = _CachedPlan(src_layout, src_ids, dst_ids, src, plan, fits, src_arg, dst_arg)
+        self._plan_cache = cached
+        return cached
 
     def _source_fits(self, src: torch.Tensor, src_layout: KVLayout) -> bool:
         """Whether ``src`` is a source this transport takes that holds all of a pool of

@@ -118,6 +118,14 @@ class KVLayout:
 
     def check_compatible(self, other: KVLayout) -> None:
         """Raise ``IncompatibleLayoutError`` unless blocks of ``other`` match ours byte for byte."""
+        if (
+            self.num_layers == other.num_layers
+            and self.block_size == other.block_size
+            and self.num_kv_heads == other.num_kv_heads
+            and self.head_dim == other.head_dim
+            and self.dtype == other.dtype
+        ):
+            return
         fields = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
         diffs = [
             f"{name} {getattr(self, name)!r} != {getattr(other, name)!r}"

@@ -11,8 +11,6 @@ call.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import cached_property
 
 from transfer.errors import TransferError
 from transfer.handle import KVLayout
@@ -21,7 +19,14 @@ ByteRange = tuple[int, int, int]
 """``(src_offset, dst_offset, length)`` in bytes."""
 
 
+_INT = {int}
+
+
 def _check_ids(side: str, block_ids: Sequence[int], num_blocks: int) -> None:
+    if not block_ids or (
+        set(map(type, block_ids)) == _INT and min(block_ids) >= 0 and max(block_ids) < num_blocks
+    ):
+        return  # the common case, checked without a Python-level loop
     for block_id in block_ids:
         if not isinstance(block_id, int) or isinstance(block_id, bool):
             raise TransferError(f"{side} block id {block_id!r} is not an int")
@@ -29,32 +34,45 @@ def _check_ids(side: str, block_ids: Sequence[int], num_blocks: int) -> None:
             raise TransferError(f"{side} block id {block_id} outside [0, {num_blocks})")
 
 
-@dataclass(frozen=True)
 class BlockPlan:
     """One request's block runs between two pools; the same in every layer.
 
     ``runs`` are ``(src_offset, dst_offset, length)`` in bytes *within one row* of each
-    pool, a row being one layer's keys (or values): ``num_blocks * block_bytes`` bytes. A
-    layer's keys of a run sit at ``layer * 2 * row + offset``, its values one row further.
-    Runs are the request's block ids consecutive on both sides, in request order.
+    pool, a row being one layer's keys (or values): ``num_blocks * block_bytes`` bytes
+    (``src_row``, ``dst_row``). A layer's keys of a run sit at ``layer * 2 * row + offset``,
+    its values one row further. Runs are the request's block ids consecutive on both sides,
+    in request order. ``layer_bytes``: bytes one layer moves (keys and values).
+
+    Immutable by convention; a plain class with slots, every field computed here, because
+    every request makes one on its first layer's path (``plan_blocks``).
     """
 
-    src_layout: KVLayout
-    dst_layout: KVLayout
-    runs: tuple[tuple[int, int, int], ...]
+    __slots__ = ("dst_layout", "dst_row", "layer_bytes", "runs", "src_layout", "src_row")
 
-    @cached_property
-    def src_row(self) -> int:
-        return self.src_layout.num_blocks * self.src_layout.block_bytes
+    def __init__(
+        self, src_layout: KVLayout, dst_layout: KVLayout, runs: tuple[tuple[int, int, int], ...]
+    ) -> None:
+        self.src_layout = src_layout
+        self.dst_layout = dst_layout
+        self.runs = runs
+        self.src_row = src_layout.num_blocks * src_layout.block_bytes
+        self.dst_row = dst_layout.num_blocks * dst_layout.block_bytes
+        self.layer_bytes = 2 * sum([n for _, _, n in runs])
 
-    @cached_property
-    def dst_row(self) -> int:
-        return self.dst_layout.num_blocks * self.dst_layout.block_bytes
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, BlockPlan):
+            return NotImplemented
+        return (self.src_layout, self.dst_layout, self.runs) == (
+            other.src_layout,
+            other.dst_layout,
+            other.runs,
+        )
 
-    @cached_property
-    def layer_bytes(self) -> int:
-        """Bytes one layer moves (keys and values)."""
-        return 2 * sum(n for _, _, n in self.runs)
+    def __hash__(self) -> int:
+        return hash((self.src_layout, self.dst_layout, self.runs))
+
+    def __repr__(self) -> str:
+        return f"BlockPlan(runs={self.runs!r})"
 
     def ranges(self, layer: int) -> list[ByteRange]:
         """The byte ranges of ``layer``: keys first, then values (``layer`` not checked)."""
@@ -85,20 +103,26 @@ def plan_blocks(
     _check_ids("source", src_block_ids, src_layout.num_blocks)
     _check_ids("destination", dst_block_ids, dst_layout.num_blocks)
 
-    runs: list[tuple[int, int, int]] = []  # (src_start, dst_start, blocks)
-    for src_id, dst_id in zip(src_block_ids, dst_block_ids, strict=True):
-        if runs:
-            src_start, dst_start, count = runs[-1]
-            if src_id == src_start + count and dst_id == dst_start + count:
-                runs[-1] = (src_start, dst_start, count + 1)
-                continue
-        runs.append((src_id, dst_id, 1))
     block_bytes = src_layout.block_bytes
-    return BlockPlan(
-        src_layout,
-        dst_layout,
-        tuple((s * block_bytes, d * block_bytes, count * block_bytes) for s, d, count in runs),
-    )
+    runs: list[tuple[int, int, int]] = []  # (src_offset, dst_offset, bytes)
+    # A run ends where either side's next id is not the next block.
+    n = len(src_block_ids)
+    start = 0
+    for i in range(1, n + 1):
+        if (
+            i == n
+            or src_block_ids[i] != src_block_ids[i - 1] + 1
+            or dst_block_ids[i] != dst_block_ids[i - 1] + 1
+        ):
+            runs.append(
+                (
+                    src_block_ids[start] * block_bytes,
+                    dst_block_ids[start] * block_bytes,
+                    (i - start) * block_bytes,
+                )
+            )
+            start = i
+    return BlockPlan(src_layout, dst_layout, tuple(runs))
 
 
 def plan_ranges(

@@ -79,14 +79,14 @@ class QueuedJob(TransferJob):
     def write(self, layer: int, src: torch.Tensor, ranges: Sequence[ByteRange]) -> None:
         checked = self._writer._check_ranges(layer, src, ranges)
         nbytes = sum(n for _, _, n in checked)
-        self._writer._enqueue(self, layer, Write(src, nbytes, checked))
+        self._writer._enqueue(self, layer, src, nbytes, checked, None)
 
     def _source_fits(self, src: torch.Tensor, src_layout: KVLayout) -> bool:
         return self._writer._source_fits(src, src_layout)
 
     def _write_planned(self, layer: int, src: torch.Tensor, plan: BlockPlan) -> None:
         # ``write_blocks`` vouches for the plan's ranges of this layer.
-        self._writer._enqueue(self, layer, Write(src, plan.layer_bytes, None, plan, layer))
+        self._writer._enqueue(self, layer, src, plan.layer_bytes, None, plan)
 
     def finish(self) -> TransferResult:
         return self._writer._finish(self)
@@ -126,10 +126,12 @@ class _Latch:
 
 
 class Write:
-    """One queued write: explicit ``ranges``, or ``plan``'s ranges of ``layer`` (what
-    ``write_blocks`` queues: a transport may copy a plan's runs over many layers at once)."""
+    """One queued write: explicit ``ranges``, or ``plan``'s ranges of layers ``[layer,
+    stop)`` (what ``write_blocks`` queues: consecutive layers of one plan queued before the
+    mover took them are one ``Write``, and a transport may copy a plan's runs over all of
+    those layers at once)."""
 
-    __slots__ = ("_ranges", "layer", "nbytes", "plan", "src")
+    __slots__ = ("_ranges", "layer", "nbytes", "plan", "src", "stop")
 
     def __init__(
         self,
@@ -144,12 +146,17 @@ class Write:
         self._ranges = ranges
         self.plan = plan
         self.layer = layer
+        self.stop = layer + 1
 
     @property
     def ranges(self) -> Sequence[ByteRange]:
         if self._ranges is None:
-            assert self.plan is not None
-            self._ranges = self.plan.ranges(self.layer)
+            plan = self.plan
+            assert plan is not None
+            if self.stop == self.layer + 1:
+                self._ranges = plan.ranges(self.layer)
+            else:
+                self._ranges = [r for i in range(self.layer, self.stop) for r in plan.ranges(i)]
         return self._ranges
 
 
@@ -344,8 +351,18 @@ class QueuedWriter(RegionWriter):
                 checked.append((s, d, n))
         return tuple(checked)
 
-    def _enqueue(self, job: QueuedJob, layer: int, write: Write) -> None:
-        """Queue a write whose ranges are known to lie inside its source and the region."""
+    def _enqueue(
+        self,
+        job: QueuedJob,
+        layer: int,
+        src: torch.Tensor,
+        nbytes: int,
+        ranges: Sequence[ByteRange] | None,
+        plan: BlockPlan | None,
+    ) -> None:
+        """Queue a write whose ranges are known to lie inside its source and the region:
+        explicit ``ranges``, or ``plan``'s ranges of ``layer``. A planned write of the layer
+        after the job's last unmoved one, same plan and source, extends that one."""
         now = time.monotonic()
         if now > job.deadline:
             self._fail(job, self._timeout(job))
@@ -356,14 +373,26 @@ class QueuedWriter(RegionWriter):
                 raise TransferError(f"transfer of {job.request_id!r} already finished")
             if self._closed:
                 raise TransferError(f"writer to region {self.handle.region_id} is closed")
-            job.bytes_queued += write.nbytes
+            job.bytes_queued += nbytes
             job.layers.add(layer)
-            if job.first_write_at is None:
-                job.first_write_at = now
-            gap = now - job.last_write_at if job.last_write_at is not None else 0.0
+            last_at = job.last_write_at
             job.last_write_at = now
-            job.unmoved.append(write)
-            if gap >= WAKE_GAP_S and not job.scheduled:
+            unmoved = job.unmoved
+            tail = unmoved[-1] if unmoved else None
+            if (
+                plan is not None
+                and tail is not None
+                and tail.plan is plan
+                and tail.stop == layer
+                and tail.src is src
+            ):
+                tail.stop = layer + 1
+                tail.nbytes += nbytes
+            else:
+                unmoved.append(Write(src, nbytes, ranges, plan, layer))
+            if last_at is None:
+                job.first_write_at = now
+            elif now - last_at >= WAKE_GAP_S and not job.scheduled:
                 job.scheduled = True
                 # Under the lock: a concurrent close() must see the job queued before its
                 # sentinel.

@@ -10,10 +10,15 @@ source on another device is copied with ``copy_``.
 
 Liveness without a connection: the owner holds an exclusive ``flock`` on the segment for its
 whole life; the kernel drops it when the owner exits, even on SIGKILL. A writer probes with a
-non-blocking shared lock when a job begins, between writes at most every ``_ALIVE_EVERY_S``,
-and when it ends (unless the last probe is under ``_ALIVE_FRESH_S`` old): if it gets the lock
-the owner is gone, the job fails with ``TransferError``, and the writer unlinks the orphaned
-segment. (A probe is a system call: ~2 us, ~20 us right after a copy has flushed the caches.)
+non-blocking shared lock when a job begins, between its writes and when it ends, unless its
+last probe is under ``_ALIVE_FOR_S`` old: if it gets the lock the owner is gone, the job fails
+with ``TransferError``, and the writer unlinks the orphaned segment. So a job into an owner
+dead for longer than ``_ALIVE_FOR_S`` fails (at its begin, or as soon as it ends); one into
+an owner that died just now may succeed, as it always could (an owner may die right after
+any probe): that owner is the decode worker that called ``Prefill``, and the call's
+cancellation tells the prefill worker anyway. Probes are shared by jobs close together
+because they are not free: a system call, ~2 us warm, 15 to 35 us with cold caches (e.g.
+right after a copy), against ~0.6 ms to copy a 128-token request.
 ``sweep_stale_segments`` does the same for a whole directory (call it at worker start).
 ``handle.key`` is not checked here: file permissions (0600, same user) guard the segment.
 """
@@ -41,12 +46,8 @@ from transfer.sender import QueuedJob, QueuedWriter, Write
 SEGMENT_PREFIX = "pdserve-kv-"
 # Copies are split so a deadline or an abort is noticed within a few milliseconds.
 _COPY_CHUNK = 8 << 20
-# The owner's liveness (two flock calls) is probed when a job begins and ends, and between
-# writes at most this often: a dead owner fails a long job early, a short one at its end.
-_ALIVE_EVERY_S = 0.02
-# ... and at the end of a job unless the last probe is younger than this (a request of a
-# few hundred tokens is over within a millisecond of its begin() probe).
-_ALIVE_FRESH_S = 0.001
+# How long a liveness probe's answer stands (see the module docstring).
+_ALIVE_FOR_S = 0.02
 
 
 # madvise(MADV_POPULATE_WRITE), Linux 5.14+ (Python's mmap module has no name for it).
@@ -218,6 +219,11 @@ class ShmWriter(QueuedWriter):
         self._start()
 
     def _check_alive(self) -> None:
+        """Probe the owner unless the last probe is recent (``begin``, moves, ends)."""
+        if self._owner_gone or time.monotonic() - self._alive_checked > _ALIVE_FOR_S:
+            self._probe()
+
+    def _probe(self) -> None:
         self._alive_checked = time.monotonic()
         if self._owner_gone or self._fd < 0:
             raise TransferError(f"owner of shm segment {self._path} is gone")
@@ -235,31 +241,19 @@ class ShmWriter(QueuedWriter):
 
         numpy does the copies: slices are bounds-checked (a bad one fails, it cannot write
         outside the buffer) and large copies run without the GIL, so the model's next
-        layer keeps computing meanwhile. ``write_blocks`` writes of consecutive layers with
-        one plan are copied by run: one strided copy moves a run's keys and values in all
-        those layers (one call instead of two per layer).
+        layer keeps computing meanwhile. A ``write_blocks`` write is copied by run: one
+        strided copy moves a run's keys and values in all the write's layers (one call
+        instead of two per layer).
         """
-        if time.monotonic() - self._alive_checked > _ALIVE_EVERY_S:
-            self._check_alive()
-        i = 0
-        while i < len(writes):
-            first = writes[i]
-            rows = self._rows(first) if first.plan is not None else None
+        self._check_alive()
+        for write in writes:
+            plan = write.plan
+            rows = self._rows(write) if plan is not None else None
             if rows is None:
-                self._copy_ranges(job, first.src, first.ranges)
-                i += 1
-                continue
-            j = i + 1
-            while (
-                j < len(writes)
-                and writes[j].plan is first.plan
-                and writes[j].src is first.src
-                and writes[j].layer == writes[j - 1].layer + 1
-            ):
-                j += 1
-            assert first.plan is not None
-            self._copy_runs(job, rows, first.plan, first.layer, writes[j - 1].layer + 1)
-            i = j
+                self._copy_ranges(job, write.src, write.ranges)
+            else:
+                assert plan is not None
+                self._copy_runs(job, rows, plan, write.layer, write.stop)
 
     def _rows(self, write: Write) -> tuple[np.ndarray, np.ndarray] | None:
         """Source and destination pools as ``[layers, 2, row bytes]`` arrays for a planned
@@ -268,14 +262,18 @@ class ShmWriter(QueuedWriter):
         assert plan is not None
         layout = plan.src_layout
         cached = self._src_rows
-        if src.device.type != "cpu":
+        # The same pool as last time, at the same address (a view of memory the tensor let
+        # go of must not be used): the common case, with one call into torch.
+        if (
+            cached is not None
+            and cached[0] is src
+            and cached[1] is layout
+            and cached[2] == src.data_ptr()
+        ):
+            return cached[3], self._dst_rows
+        if src.device.type != "cpu" or src.numel() < layout.total_bytes:
             return None
-        address = src.data_ptr()  # a view of memory the tensor let go of must not be used
-        if cached is not None and cached[0] is src and cached[1] is layout:
-            if cached[2] == address:
-                return cached[3], self._dst_rows
-        if src.numel() < layout.total_bytes:
-            return None
+        address = src.data_ptr()
         view = src.detach().numpy()[: layout.total_bytes].reshape(layout.num_layers, 2, -1)
         self._src_rows = (src, layout, address, view)
         return view, self._dst_rows
@@ -344,10 +342,7 @@ class ShmWriter(QueuedWriter):
         return False
 
     def _end(self, job: QueuedJob) -> None:
-        # A probe under _ALIVE_FRESH_S old stands: an owner may die just after any probe,
-        # so a success has always meant "alive a moment ago"; this only sets the moment.
-        if time.monotonic() - self._alive_checked > _ALIVE_FRESH_S:
-            self._check_alive()
+        self._check_alive()
         self._complete(job)
 
     def _release(self) -> None:

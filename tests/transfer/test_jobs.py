@@ -171,3 +171,37 @@ def test_same_id_tuples_reuse_the_plan_and_changed_ids_replan(
         for s, d in zip(SRC_IDS, dsts, strict=True):
             want_blocks[layer, :, d] = src_blocks[layer, :, s]
     assert torch.equal(region.tensor, want)
+
+
+def test_consecutive_layers_of_one_plan_queue_as_one_write(
+    pair: tuple[KVRegion, RegionWriter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    region, writer = pair
+    src = pattern(SRC_LAYOUT.total_bytes, SRC_SEED)
+    moved: list[tuple[int, int, int]] = []  # (first layer, stop, bytes) of each write moved
+    real = writer._move_here  # type: ignore[attr-defined]
+
+    def recording(job: object, writes: list) -> None:
+        moved.extend((w.layer, w.stop, w.nbytes) for w in writes)
+        real(job, writes)
+
+    monkeypatch.setattr(writer, "_move_here", recording)
+    per_layer = len(SRC_IDS) * 2 * SRC_LAYOUT.block_bytes
+    ids = (tuple(SRC_IDS), tuple(DST_IDS))
+    job = writer.begin("spans", deadline=time.monotonic() + 10)
+    for layer in (0, 1, 2):
+        job.write_blocks(layer, src, SRC_LAYOUT, *ids)
+    job.write_blocks(0, src, SRC_LAYOUT, [7], [11])  # another plan: a write of its own
+    job.write_blocks(3, src, SRC_LAYOUT, *ids)  # not after layer 0 of that plan: its own
+    result = job.finish()
+    assert moved == [
+        (0, 3, 3 * per_layer),
+        (0, 1, 2 * SRC_LAYOUT.block_bytes),
+        (3, 4, per_layer),
+    ]
+    assert (result.bytes, result.layers) == (4 * per_layer + 2 * SRC_LAYOUT.block_bytes, 4)
+    want = expected_pool(DST_LAYOUT, SRC_LAYOUT, [(SRC_IDS, DST_IDS), ([7], [11])], [0, 1, 2, 3])
+    dst_blocks = want.view(DST_LAYOUT.num_layers, 2, DST_LAYOUT.num_blocks, -1)
+    before = pattern(DST_LAYOUT.total_bytes, DST_SEED).view_as(dst_blocks)
+    dst_blocks[1:, :, 11] = before[1:, :, 11]  # block 7 -> 11 went in layer 0 only
+    assert torch.equal(region.tensor, want)

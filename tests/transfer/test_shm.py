@@ -21,7 +21,7 @@ from tests.transfer.target import (
     push_requests,
     wait_until,
 )
-from transfer import KVLayout, MemoryRegionHandle, TransferError, TransferTimeout
+from transfer import KVLayout, MemoryRegionHandle, TransferError, TransferTimeout, shm
 from transfer.shm import ShmTransport, sweep_stale_segments
 
 pytestmark = pytest.mark.timeout(60)
@@ -52,9 +52,43 @@ def test_writes_land_exactly_in_a_target_process_that_runs_no_code() -> None:
         assert (stats.bytes, stats.jobs, stats.failures) == (sum(MOVE_BYTES), 2, 0)
 
         target.close()
-        assert not os.path.exists(path)
+        assert not os.path.exists(path)  # and jobs fail: see the next test
+
+
+def test_a_probe_stands_for_a_while_then_a_dead_owner_fails_begin_and_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    src = pattern(SRC_LAYOUT.total_bytes, SRC_SEED)
+    with ShmTransport() as transport, Target("shm", DST_LAYOUT) as target:
+        writer = transport.connect(target.handle)
+        push_requests(writer)  # the owner was probed a moment ago
+        target.close()
+        # While the last probe stands, a job into the dead owner begins and even succeeds
+        # (as one could whose owner died right after a probe).
+        monkeypatch.setattr(shm, "_ALIVE_FOR_S", 3600.0)
+        job = writer.begin("within", deadline=time.monotonic() + 5)
+        job.write_blocks(0, src, SRC_LAYOUT, [0, 1], [2, 3])
+        assert job.finish().bytes == 2 * 2 * SRC_LAYOUT.block_bytes
+        # Once it is stale, the job's end probes and fails it ...
+        job = writer.begin("ends", deadline=time.monotonic() + 5)
+        job.write_blocks(0, src, SRC_LAYOUT, [0, 1], [2, 3])
+        monkeypatch.setattr(shm, "_ALIVE_FOR_S", 0.0)
         with pytest.raises(TransferError, match="is gone"):
-            writer.begin("late", deadline=time.monotonic() + 1)
+            job.finish()
+        # ... and begin refuses from then on, whatever the window.
+        monkeypatch.setattr(shm, "_ALIVE_FOR_S", 3600.0)
+        with pytest.raises(TransferError, match="is gone"):
+            writer.begin("known", deadline=time.monotonic() + 5)
+
+    monkeypatch.setattr(shm, "_ALIVE_FOR_S", 0.0)
+    with ShmTransport() as transport, Target("shm", DST_LAYOUT) as target:
+        writer = transport.connect(target.handle)
+        push_requests(writer)
+        target.close()
+        # A stale probe does not stand at begin either: begin probes and refuses.
+        with pytest.raises(TransferError, match="is gone"):
+            writer.begin("after", deadline=time.monotonic() + 5)
+        assert writer.stats().failures == 0  # nothing began
 
 
 def test_target_killed_mid_transfer_fails_the_job_and_removes_its_segment() -> None:
@@ -67,6 +101,7 @@ def test_target_killed_mid_transfer_fails_the_job_and_removes_its_segment() -> N
         job.write_blocks(1, src, SRC_LAYOUT, [0, 1], [2, 3])
         assert wait_until(lambda: writer.stats().bytes > 0, 5)
         target.kill()
+        time.sleep(shm._ALIVE_FOR_S)  # the last probe's answer no longer stands
         started = time.monotonic()
         with pytest.raises(TransferError, match="is gone") as failure:
             job.write_blocks(2, src, SRC_LAYOUT, [0, 1], [2, 3])
