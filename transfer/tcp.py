@@ -67,12 +67,15 @@ class _Connection:
         self.reader: threading.Thread | None = None
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Binding:
-    """A job's place on a connection: the connection and the job's frame tag."""
+    """A job's place on a connection: the connection, the job's frame tag, and whether its
+    END frame went out (with its last DATA frame, when ``finish`` moved that one)."""
 
     conn: _Connection
     tag: int
+    ended: bool = False
+    end_length: int = -1  # the byte count its END frame declared (-1: none sent yet)
 
 
 class TcpWriter(QueuedWriter):
@@ -180,33 +183,57 @@ class TcpWriter(QueuedWriter):
 
     def _move(self, job: QueuedJob, writes: Sequence[Write]) -> None:
         with self._streaming(job):
-            for src, ranges, nbytes in flat_batches(writes):
-                self._send_frames(job, src, ranges, nbytes)
+            for src, ranges, _ in flat_batches(writes):
+                self._send_frames(job, src, ranges, end=False)
+
+    def _move_here(self, job: QueuedJob, writes: Sequence[Write]) -> None:
+        """``_move``, and the job's END frame goes in the last DATA frame's sendmsg: the
+        job's last bytes, so the receiver finds the END right behind them (no extra send)."""
+        with self._streaming(job):
+            batches = flat_batches(writes)
+            for i, (src, ranges, _) in enumerate(batches):
+                self._send_frames(job, src, ranges, end=i == len(batches) - 1)
 
     def _send_frames(
-        self, job: QueuedJob, src: torch.Tensor, ranges: Sequence[ByteRange], nbytes: int
+        self, job: QueuedJob, src: torch.Tensor, ranges: Sequence[ByteRange], *, end: bool
     ) -> None:
         """DATA frames of about ``FRAME_BYTES`` each: header and range list, then the
-        payloads, gathered from the source's memory by one sendmsg."""
+        payloads, gathered from the source's memory by one sendmsg; with ``end``, the job's
+        END frame follows the last one in the same sendmsg."""
         binding = self._bound(job)
         payload = memoryview(src.detach().numpy())
-        for start, stop, size in split_frames([n for _, _, n in ranges], MAX_RANGES, FRAME_BYTES):
+        frames = split_frames([n for _, _, n in ranges], MAX_RANGES, FRAME_BYTES)
+        for i, (start, stop, size) in enumerate(frames):
             # An aborted job still completes the frame in flight (the stream stays usable),
             # then stops; a deadline stops it mid-frame (see _send).
             if job.terminal:
                 return
             part = ranges[start:stop]
             head = encode_data(self._key, binding.tag, [(d, n) for _, d, n in part], size)
-            self._send(binding.conn, job, [head, *(payload[s : s + n] for s, _, n in part)])
+            views: list[memoryview | bytes] = [head, *(payload[s : s + n] for s, _, n in part)]
+            last = end and i == len(frames) - 1
+            if last:
+                # Set before the send: the ack may be read before this thread runs again.
+                binding.end_length = job.bytes_moved + size
+                views.append(
+                    Frame(FrameKind.END, self._key, binding.tag, length=binding.end_length).encode()
+                )
+            self._send(binding.conn, job, views)
             self._moved(job, size)
+            if last:
+                binding.ended = True
 
     def _end(self, job: QueuedJob) -> None:
-        if job.transport_state is None:
+        binding: _Binding | None = job.transport_state
+        if binding is None:
             self._complete(job)  # nothing was written: nothing to confirm
             return
+        if binding.ended:
+            return  # the END went out with the last DATA frame; the ack reader completes
         with self._streaming(job):
             binding = self._bound(job)
-            end = Frame(FrameKind.END, self._key, binding.tag, length=job.bytes_moved)
+            binding.end_length = job.bytes_moved
+            end = Frame(FrameKind.END, self._key, binding.tag, length=binding.end_length)
             self._send(binding.conn, job, [end.encode()])
         # The ack reader completes the job.
 
@@ -256,14 +283,17 @@ class TcpWriter(QueuedWriter):
                     job = conn.jobs.pop(frame.tag, None)
                 if job is None:
                     continue  # the job already failed or was aborted
-                if frame.status == AckStatus.OK and frame.length == job.bytes_moved:
+                # What the END declared (set before it was sent: this ack may be read
+                # before the sending thread has counted its last frame in bytes_moved).
+                sent = job.transport_state.end_length
+                if frame.status == AckStatus.OK and frame.length == sent:
                     self._complete(job)
                 else:
                     self._fail(
                         job,
                         TransferError(
                             f"receiver got {frame.length} bytes of {job.request_id!r}, "
-                            f"{job.bytes_moved} were sent"
+                            f"{sent} were sent"
                         ),
                     )
         except (OSError, TransferError) as exc:

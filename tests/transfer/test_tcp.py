@@ -253,3 +253,42 @@ def test_unreachable_target_fails_connect_quickly() -> None:
             transport.connect(dataclasses.replace(handle, key="nothex"))
         with pytest.raises(TransferError, match="host:port"):
             transport.connect(dataclasses.replace(handle, address="localhost"))
+
+
+def test_finish_sends_the_end_with_the_last_data_frame_and_counts_it_right(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import transfer.tcp
+
+    sends: list[list[int]] = []  # the buffer sizes of each sendmsg the writer made
+    real_send = transfer.tcp.send_views
+
+    def recording(sock: socket.socket, views: list, **kwargs: object) -> None:
+        sends.append([len(memoryview(v)) for v in views])
+        real_send(sock, views, **kwargs)
+
+    monkeypatch.setattr(transfer.tcp, "send_views", recording)
+    src = pattern(SRC_LAYOUT.total_bytes, SRC_SEED)
+    with TcpTransport() as transport, Target("tcp", DST_LAYOUT) as target:
+        writer = transport.connect(target.handle)
+        # The receiver's ack may be read before the sending thread counts its last frame:
+        # slow that count down, so the ack comes first every time.
+        real_moved = writer._moved  # type: ignore[attr-defined]
+
+        def late(job: object, count: int) -> None:
+            time.sleep(0.05)
+            real_moved(job, count)
+
+        monkeypatch.setattr(writer, "_moved", late)
+        job = writer.begin("req", deadline=time.monotonic() + 10)
+        for layer in LAYERS:
+            job.write_blocks(layer, src, SRC_LAYOUT, *MOVES[0])
+        result = job.finish()
+        assert result.bytes == MOVE_BYTES[0]
+        # One sendmsg for the whole job: header and range list, the payloads, then END.
+        assert len(sends) == 1
+        head, *payloads, end = sends[0]
+        assert head == HEADER_SIZE + 16 * len(payloads) and end == HEADER_SIZE
+        assert sum(payloads) == MOVE_BYTES[0]
+        assert target.verify(SRC_LAYOUT, MOVES[:1], LAYERS) == 0
+        assert target.stats().jobs == 1
