@@ -35,8 +35,8 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 from transfer.errors import TransferError, TransferTimeout
 
@@ -66,6 +66,9 @@ class FrameKind(IntEnum):
     ACK = 4
 
 
+_KINDS = {kind.value: kind for kind in FrameKind}
+
+
 class AckStatus(IntEnum):
     OK = 0
     MISMATCH = 1
@@ -79,8 +82,10 @@ class PeerClosed(TransferError):
     """The peer closed the connection in the middle of a message."""
 
 
-@dataclass(frozen=True)
-class Frame:
+class Frame(NamedTuple):
+    """One frame's header. A named tuple: every frame makes one on both ends, and a tuple
+    is several times cheaper to build than a frozen dataclass."""
+
     kind: FrameKind
     key: bytes
     tag: int
@@ -100,10 +105,9 @@ class Frame:
             raise FrameError(f"bad frame magic {bytes(magic)!r}")
         if version != VERSION:
             raise FrameError(f"unsupported frame version {version} (this side speaks {VERSION})")
-        try:
-            frame_kind = FrameKind(kind)
-        except ValueError:
-            raise FrameError(f"unknown frame kind {kind}") from None
+        frame_kind = _KINDS.get(kind)
+        if frame_kind is None:
+            raise FrameError(f"unknown frame kind {kind}")
         if frame_kind is FrameKind.DATA:
             if not 1 <= count <= MAX_RANGES:
                 raise FrameError(f"DATA frame with {count} ranges (1 to {MAX_RANGES} allowed)")
