@@ -25,6 +25,10 @@ churn), so each layer is ``2 x runs`` byte ranges. Every repeat runs, in turn:
 
 Every method's bytes are checked after its timed repeats (per-block sums at the destination
 equal the source's). Torch runs one thread in every process: each method copies on one core.
+With 2+ cores this process runs on the first and the three peers on the second
+(``--no-transfer-pin`` leaves them floating): the socket sender and its sink, and the tcp
+writer and its receiver, never take turns on one core, which on 2 cores otherwise moved the
+small sizes' medians by up to 2x from run to run.
 Throughput is bytes / median latency. Targets: shm >= 80% of memcpy, tcp >= 70% of the raw
 socket, at every size.
 
@@ -132,6 +136,7 @@ class BenchConfig:
     gateway: bool
     seed: int
     hop_pin: bool = True  # engines on their own core; client, gateway, control on another
+    transfer_pin: bool = True  # this process (the initiator) on one core, the peers on another
 
     def __post_init__(self) -> None:
         if not self.sizes or min(self.sizes) < 1:
@@ -479,8 +484,12 @@ def block_sums(pool: torch.Tensor, layout: KVLayout, block_ids: Sequence[int]) -
     return sums
 
 
-def _region_peer(conn: Connection, transport: str, layout: dict[str, Any]) -> None:
+def _region_peer(
+    conn: Connection, cpus: set[int] | None, transport: str, layout: dict[str, Any]
+) -> None:
     """Target main: register a region, send its handle, answer checksum requests."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     torch.set_num_threads(1)
     lay = KVLayout.from_dict(layout)
     with get_transport(transport) as tp:
@@ -509,8 +518,10 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def _socket_peer(conn: Connection, capacity: int) -> None:
+def _socket_peer(conn: Connection, cpus: set[int] | None, capacity: int) -> None:
     """Raw sink main: one connection; per request recv_into a preallocated buffer, ack."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     torch.set_num_threads(1)
     buf = torch.zeros(capacity, dtype=torch.uint8)  # pages touched before any timing
     view = memoryview(buf.numpy())
@@ -566,7 +577,7 @@ def _log(message: str) -> None:
 class TransferBench:
     """Holds the source pool, the local memcpy destination and the three peers."""
 
-    def __init__(self, cfg: BenchConfig) -> None:
+    def __init__(self, cfg: BenchConfig, peer_cpus: set[int] | None = None) -> None:
         self.cfg = cfg
         biggest = blocks_for(max(cfg.sizes))
         self.src_layout = kv_layout(biggest + MAX_RUN_BLOCKS)
@@ -576,9 +587,9 @@ class TransferBench:
         self.local_dst = torch.zeros(self.dst_layout.total_bytes, dtype=torch.uint8)
         max_bytes = biggest * 2 * NUM_LAYERS * self.src_layout.block_bytes
         peers = {
-            "shm": Peer(_region_peer, "shm", self.dst_layout.to_dict()),
-            "tcp": Peer(_region_peer, "tcp", self.dst_layout.to_dict()),
-            "socket": Peer(_socket_peer, max_bytes),
+            "shm": Peer(_region_peer, peer_cpus, "shm", self.dst_layout.to_dict()),
+            "tcp": Peer(_region_peer, peer_cpus, "tcp", self.dst_layout.to_dict()),
+            "socket": Peer(_socket_peer, peer_cpus, max_bytes),
         }
         self.peers = peers
         self.writers = {}
@@ -709,20 +720,32 @@ class TransferBench:
         )
 
 
+def transfer_cores(pin: bool) -> tuple[set[int] | None, set[int] | None]:
+    """(initiator cores, target cores) for the transfer part: with ``pin`` and 2+ cores,
+    this process (the source pool, the writers' threads, the memcpys) gets the first core
+    and the three peers the second, as a prefill and a decode worker get cores of their own
+    (``pdserve up --pin``); otherwise nothing is pinned."""
+    cores = sorted(os.sched_getaffinity(0))
+    if not pin or len(cores) < 2:
+        return None, None
+    return {cores[0]}, {cores[1]}
+
+
 def run_transfer(cfg: BenchConfig) -> list[SizeResult]:
     torch.set_num_threads(1)
-    bench = TransferBench(cfg)
-    try:
-        results = []
-        for tokens in cfg.sizes:
-            res = bench.run_size(tokens)
-            _log(
-                f"{tokens} tokens: " + ", ".join(f"{m} {res.gb_per_s(m):.2f} GB/s" for m in METHODS)
-            )
-            results.append(res)
-        return results
-    finally:
-        bench.close()
+    initiator, target = transfer_cores(cfg.transfer_pin)
+    with pinned(initiator):  # the writers' threads start inside: they inherit it
+        bench = TransferBench(cfg, peer_cpus=target)
+        try:
+            results = []
+            for tokens in cfg.sizes:
+                res = bench.run_size(tokens)
+                rates = ", ".join(f"{m} {res.gb_per_s(m):.2f} GB/s" for m in METHODS)
+                _log(f"{tokens} tokens: {rates}")
+                results.append(res)
+            return results
+        finally:
+            bench.close()
 
 
 # -- the hop measurements ----------------------------------------------------------------
@@ -1018,6 +1041,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="hop: leave every process unpinned (default with 2+ cores: each engine on the "
         "second core, this client, the gateway and the control plane on the first)",
     )
+    p.add_argument(
+        "--no-transfer-pin",
+        action="store_true",
+        help="transfer: leave every process unpinned (default with 2+ cores: this process on "
+        "the first core, the shm, tcp and socket targets on the second)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of block ids and prompts")
     p.add_argument("--json", metavar="OUT", help="write results (every sample) to this file")
     p.add_argument(
@@ -1044,6 +1073,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         gateway=not args.no_gateway,
         seed=args.seed,
         hop_pin=not args.no_hop_pin,
+        transfer_pin=not args.no_transfer_pin,
     )
 
 
@@ -1067,8 +1097,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{time.perf_counter() - t0:.0f} s"
     )
     print()
-    print(f"Throughput, GB/s at the median latency ({cfg.repeats} repeats; targets: shm ≥ "
-          f"{SHM_TARGET:.2f}× memcpy, tcp ≥ {TCP_TARGET:.2f}× socket):")  # fmt: skip
+    initiator, target = transfer_cores(cfg.transfer_pin)
+    placement = (
+        f"this process on core {min(initiator)}, the targets on core {min(target)}"
+        if initiator and target
+        else "unpinned"
+    )
+    print(f"Throughput, GB/s at the median latency ({cfg.repeats} repeats, {placement}; "
+          f"targets: shm ≥ {SHM_TARGET:.2f}× memcpy, tcp ≥ {TCP_TARGET:.2f}× socket):")  # fmt: skip
     print(throughput_table(sizes))
     print()
     print("Per-request latency, ms P50 / P99:")

@@ -25,6 +25,7 @@ from bench.transfer import (
     per_token_gaps,
     request_block_ids,
     throughput_table,
+    transfer_cores,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -130,6 +131,18 @@ def test_quick_skips_the_hop_unless_asked() -> None:
     assert full.sizes == (128, 256, 512, 1024, 2048, 4096) and full.hop
     assert not config_from_args(parse_args(["--skip-hop"])).hop
     assert config_from_args(parse_args(["--quick", "--repeats", "7"])).repeats == 7
+
+
+def test_transfer_part_pins_this_process_and_the_targets_apart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {5, 3, 9})
+    assert transfer_cores(True) == ({3}, {5})
+    assert transfer_cores(False) == (None, None)
+    assert not config_from_args(parse_args(["--no-transfer-pin"])).transfer_pin
+    assert config_from_args(parse_args([])).transfer_pin
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {4})
+    assert transfer_cores(True) == (None, None)  # one core: nothing to keep apart
 
 
 def _run(tmp_path: Path, *args: str, timeout: float) -> dict:
