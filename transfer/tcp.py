@@ -69,13 +69,18 @@ class _Connection:
 
 @dataclass
 class _Binding:
-    """A job's place on a connection: the connection, the job's frame tag, and whether its
-    END frame went out (with its last DATA frame, when ``finish`` moved that one)."""
+    """A job's place on a connection: the connection, the job's frame tag, and the byte
+    count its END frame declared (-1 until one is sent; with its last DATA frame when
+    ``finish`` moved that one). It is set just before the send: the ack may be read before
+    the sending thread runs again, and a failed send fails the job."""
 
     conn: _Connection
     tag: int
-    ended: bool = False
-    end_length: int = -1  # the byte count its END frame declared (-1: none sent yet)
+    end_length: int = -1
+
+    @property
+    def ended(self) -> bool:
+        return self.end_length >= 0
 
 
 class TcpWriter(QueuedWriter):
@@ -213,15 +218,12 @@ class TcpWriter(QueuedWriter):
             views: list[memoryview | bytes] = [head, *(payload[s : s + n] for s, _, n in part)]
             last = end and i == len(frames) - 1
             if last:
-                # Set before the send: the ack may be read before this thread runs again.
                 binding.end_length = job.bytes_moved + size
                 views.append(
                     Frame(FrameKind.END, self._key, binding.tag, length=binding.end_length).encode()
                 )
             self._send(binding.conn, job, views)
             self._moved(job, size)
-            if last:
-                binding.ended = True
 
     def _end(self, job: QueuedJob) -> None:
         binding: _Binding | None = job.transport_state
