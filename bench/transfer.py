@@ -720,11 +720,14 @@ class TransferBench:
         )
 
 
-def transfer_cores(pin: bool) -> tuple[set[int] | None, set[int] | None]:
-    """(initiator cores, target cores) for the transfer part: with ``pin`` and 2+ cores,
-    this process (the source pool, the writers' threads, the memcpys) gets the first core
-    and the three peers the second, as a prefill and a decode worker get cores of their own
-    (``pdserve up --pin``); otherwise nothing is pinned."""
+def split_cores(pin: bool) -> tuple[set[int] | None, set[int] | None]:
+    """(first core, second core) to keep two sides apart: with ``pin`` and 2+ cores, the
+    first and the second core this process may use; otherwise ``(None, None)``, nothing
+    pinned. The transfer part puts this process (the initiator: the source pool, the
+    writers' threads, the memcpys) on the first and the three targets on the second, as a
+    prefill and a decode worker get cores of their own (``pdserve up --pin``); the hop part
+    puts this client, the gateway and the control plane on the first and every engine on
+    the second (the layout ``pdserve up --pin --control-cpus`` gives)."""
     cores = sorted(os.sched_getaffinity(0))
     if not pin or len(cores) < 2:
         return None, None
@@ -733,7 +736,7 @@ def transfer_cores(pin: bool) -> tuple[set[int] | None, set[int] | None]:
 
 def run_transfer(cfg: BenchConfig) -> list[SizeResult]:
     torch.set_num_threads(1)
-    initiator, target = transfer_cores(cfg.transfer_pin)
+    initiator, target = split_cores(cfg.transfer_pin)
     with pinned(initiator):  # the writers' threads start inside: they inherit it
         bench = TransferBench(cfg, peer_cpus=target)
         try:
@@ -978,21 +981,11 @@ async def _hop_async(
     return HopResult(cfg.hop_tokens, cfg.hop_repeats, tuple(paths), pinned=bool(engine_cpus))
 
 
-def hop_cores(pin: bool) -> tuple[set[int] | None, set[int] | None]:
-    """(client cores, engine cores) for the hop: with ``pin`` and 2+ cores, this client,
-    the gateway and the control plane get the first core and every engine the second (the
-    layout ``pdserve up --pin --control-cpus`` gives); otherwise nothing is pinned."""
-    cores = sorted(os.sched_getaffinity(0))
-    if not pin or len(cores) < 2:
-        return None, None
-    return {cores[0]}, {cores[1]}
-
-
 def run_hop(cfg: BenchConfig) -> HopResult:
     """Start the services (they load while this process loads its engine), measure, stop."""
     services: dict[str, Service] = {}
     errors: dict[str, str] = {}
-    client, engine = hop_cores(cfg.hop_pin)
+    client, engine = split_cores(cfg.hop_pin)
     try:
         services["decode"] = Service(
             ["-m", "services.decode", "--role", "colocated", "--port", "0", "--threads", "1",
@@ -1097,7 +1090,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{time.perf_counter() - t0:.0f} s"
     )
     print()
-    initiator, target = transfer_cores(cfg.transfer_pin)
+    initiator, target = split_cores(cfg.transfer_pin)
     placement = (
         f"this process on core {min(initiator)}, the targets on core {min(target)}"
         if initiator and target

@@ -24,8 +24,8 @@ from bench.transfer import (
     parse_args,
     per_token_gaps,
     request_block_ids,
+    split_cores,
     throughput_table,
-    transfer_cores,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -133,16 +133,17 @@ def test_quick_skips_the_hop_unless_asked() -> None:
     assert config_from_args(parse_args(["--quick", "--repeats", "7"])).repeats == 7
 
 
-def test_transfer_part_pins_this_process_and_the_targets_apart(
+def test_both_parts_pin_their_two_sides_to_two_cores(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {5, 3, 9})
-    assert transfer_cores(True) == ({3}, {5})
-    assert transfer_cores(False) == (None, None)
+    assert split_cores(True) == ({3}, {5})
+    assert split_cores(False) == (None, None)
     assert not config_from_args(parse_args(["--no-transfer-pin"])).transfer_pin
     assert config_from_args(parse_args([])).transfer_pin
+    assert not config_from_args(parse_args(["--no-hop-pin"])).hop_pin
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {4})
-    assert transfer_cores(True) == (None, None)  # one core: nothing to keep apart
+    assert split_cores(True) == (None, None)  # one core: nothing to keep apart
 
 
 def _run(tmp_path: Path, *args: str, timeout: float) -> dict:
