@@ -29,6 +29,10 @@ With 2+ cores this process runs on the first and the three peers on the second
 (``--no-transfer-pin`` leaves them floating): the socket sender and its sink, and the tcp
 writer and its receiver, never take turns on one core, which on 2 cores otherwise moved the
 small sizes' medians by up to 2x from run to run.
+The raw socket and the tcp transport's connection send with the same TCP congestion control,
+``--tcp-congestion`` (default ``reno``; ``system``: the host's default, ``bbr`` here). With
+BBR both pace, and on loopback the transport's ~1 MiB sends then arrive out of order often
+enough to trigger fast retransmits (docs/benchmarks.md has the counters and both settings).
 Throughput is bytes / median latency. Targets: shm >= 80% of memcpy, tcp >= 70% of the raw
 socket, at every size.
 
@@ -84,6 +88,8 @@ from bench._common import (
     write_json,
 )
 from transfer import ByteRange, KVLayout, MemoryRegionHandle, get_transport, plan_blocks
+from transfer.errors import TransferError
+from transfer.tcp_frames import check_congestion, set_congestion
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,6 +143,9 @@ class BenchConfig:
     seed: int
     hop_pin: bool = True  # engines on their own core; client, gateway, control on another
     transfer_pin: bool = True  # this process (the initiator) on one core, the peers on another
+    # Congestion control of the raw socket and the tcp transport's connection (None: the
+    # host's default).
+    tcp_congestion: str | None = "reno"
 
     def __post_init__(self) -> None:
         if not self.sizes or min(self.sizes) < 1:
@@ -596,11 +605,14 @@ class TransferBench:
         self.transports = {}
         for name in ("shm", "tcp"):
             handle = MemoryRegionHandle.from_dict(peers[name].recv(PEER_START_S))
-            self.transports[name] = get_transport(name)
+            opts = {"congestion": cfg.tcp_congestion} if name == "tcp" else {}
+            self.transports[name] = get_transport(name, **opts)
             self.writers[name] = self.transports[name].connect(handle)
         port = peers["socket"].recv(PEER_START_S)
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if cfg.tcp_congestion is not None:  # the sender's choice is the one that counts
+            set_congestion(self.sock, cfg.tcp_congestion)
         self.src_view = memoryview(self.src.numpy())
         self.local_view = memoryview(self.local_dst.numpy())
         self._ids = 0
@@ -1040,6 +1052,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="transfer: leave every process unpinned (default with 2+ cores: this process on "
         "the first core, the shm, tcp and socket targets on the second)",
     )
+    p.add_argument(
+        "--tcp-congestion",
+        default="reno",
+        metavar="NAME",
+        help="TCP congestion control of the raw socket and the tcp transport alike "
+        "(default: reno; 'system': the host's default)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of block ids and prompts")
     p.add_argument("--json", metavar="OUT", help="write results (every sample) to this file")
     p.add_argument(
@@ -1067,6 +1086,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         hop_pin=not args.no_hop_pin,
         transfer_pin=not args.no_transfer_pin,
+        tcp_congestion=None if args.tcp_congestion == "system" else args.tcp_congestion,
     )
 
 
@@ -1074,6 +1094,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     cfg = config_from_args(args)
+    if cfg.tcp_congestion is not None:
+        try:
+            check_congestion(cfg.tcp_congestion)
+        except TransferError as exc:
+            print(f"bench.transfer: --tcp-congestion: {exc}", file=sys.stderr)
+            return 2
     command = shlex.join(["python", "-m", "bench.transfer", *argv])
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     load_before = load_average()
@@ -1096,7 +1122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if initiator and target
         else "unpinned"
     )
-    print(f"Throughput, GB/s at the median latency ({cfg.repeats} repeats, {placement}; "
+    congestion = cfg.tcp_congestion or "the system's"
+    print(f"Throughput, GB/s at the median latency ({cfg.repeats} repeats, {placement}, "
+          f"{congestion} congestion control on both TCP paths; "
           f"targets: shm ≥ {SHM_TARGET:.2f}× memcpy, tcp ≥ {TCP_TARGET:.2f}× socket):")  # fmt: skip
     print(throughput_table(sizes))
     print()

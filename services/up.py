@@ -29,6 +29,9 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default="shm",
                    help="KV data plane of the decode workers: shm or tcp, or a comma list "
                    "given to them round-robin (e.g. shm,tcp)")  # fmt: skip
+    p.add_argument("--kv-tcp-congestion", default=None, metavar="NAME",
+                   help="prefill workers: TCP congestion control of tcp KV connections "
+                   "(e.g. reno; default: the system's)")  # fmt: skip
     p.add_argument("--heartbeat-ttl", type=float, default=3.0, metavar="SECONDS",
                    help="the scheduler drops a worker silent this long")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address every service binds")
@@ -54,6 +57,13 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
                    metavar="QUESTION",
                    help="send one streaming chat request through the gateway, print the "
                    "answer and stop")  # fmt: skip
+
+
+def prefill_flags(args: argparse.Namespace) -> list[str]:
+    """The flags of ours every prefill worker is started with (beyond the common ones)."""
+    if args.kv_tcp_congestion:
+        return ["--kv-tcp-congestion", args.kv_tcp_congestion]
+    return []
 
 
 def _cpu_list(text: str) -> set[int]:
@@ -133,10 +143,11 @@ def launch(args: argparse.Namespace, stack: Stack) -> dict[str, str]:
             *metrics_flag("colocated-0"),
         ), cpus("colocated-0"))))  # fmt: skip
     else:
+        prefill_extra = prefill_flags(args)
         for i in range(args.prefill):
             workers.append(stack.start(Proc(f"prefill-{i}", py(
                 "services.prefill", *common, "--worker-id", f"prefill-{i}", *_engine_args(args),
-                *metrics_flag(f"prefill-{i}"),
+                *prefill_extra, *metrics_flag(f"prefill-{i}"),
             ), cpus(f"prefill-{i}"))))  # fmt: skip
         transports = [t.strip() for t in args.transport.split(",") if t.strip()]
         for i in range(args.decode):
@@ -222,6 +233,17 @@ def run_up(args: argparse.Namespace) -> int:
     if bad:
         print(f"pdserve up: unknown transport(s) {sorted(bad)}; use shm or tcp", file=sys.stderr)
         return 2
+    if args.kv_tcp_congestion:
+        # Here, not at the top: the transfer package imports torch, which `pdserve --help`
+        # and the control plane never need.
+        from transfer.errors import TransferError
+        from transfer.tcp_frames import check_congestion
+
+        try:
+            check_congestion(args.kv_tcp_congestion)
+        except TransferError as exc:
+            print(f"pdserve up: --kv-tcp-congestion: {exc}", file=sys.stderr)
+            return 2
     log_dir = args.log_dir or default_log_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
     stack = Stack(log_dir=log_dir, echo=args.echo_logs)

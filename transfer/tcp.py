@@ -38,12 +38,14 @@ from transfer.tcp_frames import (
     AckStatus,
     Frame,
     FrameKind,
+    check_congestion,
     encode_data,
     key_bytes,
     parse_address,
     recv_exactly,
     send_exactly,
     send_views,
+    set_congestion,
     split_frames,
 )
 from transfer.tcp_receiver import TcpReceiver, TcpRegion, past, tune_socket
@@ -90,8 +92,11 @@ class TcpWriter(QueuedWriter):
     frame whole on the wire and guards the current connection.
     """
 
-    def __init__(self, handle: MemoryRegionHandle, connect_timeout: float) -> None:
+    def __init__(
+        self, handle: MemoryRegionHandle, connect_timeout: float, congestion: str | None = None
+    ) -> None:
         super().__init__(handle)
+        self._congestion = congestion
         self._stream = threading.Lock()
         self._host, self._port = parse_address(handle.address)
         self._key = key_bytes(handle.key)
@@ -107,7 +112,13 @@ class TcpWriter(QueuedWriter):
             sock = socket.create_connection((self._host, self._port), timeout=timeout)
         except OSError as exc:
             raise TransferError(f"cannot connect to {self.handle.address}: {exc}") from exc
-        tune_socket(sock, POLL_SECONDS, _ACK_TICK_SECONDS)
+        try:
+            tune_socket(sock, POLL_SECONDS, _ACK_TICK_SECONDS)
+            if self._congestion is not None:
+                set_congestion(sock, self._congestion)
+        except (OSError, TransferError):
+            sock.close()
+            raise
         conn = _Connection(sock)
         conn.reader = threading.Thread(
             target=self._read_acks, args=(conn,), name="kv-acks", daemon=True
@@ -326,6 +337,12 @@ class TcpTransport(Transport):
     ``advertise_host`` is the host peers dial (default: ``host``, or this machine's name when
     ``host`` is a wildcard). ``idle_timeout`` closes connections silent between frames;
     ``io_timeout`` bounds silence inside a frame; ``connect_timeout`` bounds a writer's dial.
+    ``congestion`` is the TCP congestion control the writers' connections send with (Linux
+    ``TCP_CONGESTION``; ``None``: the system's default). The sender's choice is the one that
+    counts, and a name this process may not use fails here, not at the first connection.
+    Between two processes on one host ``reno`` beats ``bbr``: BBR paces, and its pacing
+    timer sends some segments from another CPU, so they arrive out of order on loopback and
+    trigger fast retransmits (docs/benchmarks.md, the transfer section).
     """
 
     name = TRANSPORT_NAME
@@ -339,7 +356,10 @@ class TcpTransport(Transport):
         idle_timeout: float = 300.0,
         io_timeout: float = 10.0,
         connect_timeout: float = 5.0,
+        congestion: str | None = None,
     ) -> None:
+        if congestion is not None:
+            check_congestion(congestion)
         super().__init__()
         if advertise_host is None:
             advertise_host = socket.getfqdn() if host in ("", "0.0.0.0", "::") else host
@@ -349,6 +369,7 @@ class TcpTransport(Transport):
         self.idle_timeout = idle_timeout
         self.io_timeout = io_timeout
         self.connect_timeout = connect_timeout
+        self.congestion = congestion
         self._receiver: TcpReceiver | None = None
 
     @property
@@ -368,7 +389,7 @@ class TcpTransport(Transport):
         return region
 
     def _open_writer(self, handle: MemoryRegionHandle) -> TcpWriter:
-        return TcpWriter(handle, self.connect_timeout)
+        return TcpWriter(handle, self.connect_timeout, self.congestion)
 
     def close(self) -> None:
         super().close()

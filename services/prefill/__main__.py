@@ -18,7 +18,9 @@ from services.common.engine_args import add_engine_flags
 from services.common.serving import GrpcService, configure_logging, install_uvloop
 from services.common.worker import build_engine, serve_worker
 from services.prefill.server import PrefillServicer
+from transfer.errors import TransferError
 from transfer.registry import get_transport
+from transfer.tcp_frames import check_congestion
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_service_flags(p, port=50061, metrics_port=0)
     p.add_argument("--transports", default="shm,tcp",
                    help="comma-separated transports this worker can write with")  # fmt: skip
+    p.add_argument("--kv-tcp-congestion", default=None, metavar="NAME",
+                   help="TCP congestion control of this worker's tcp KV connections (e.g. "
+                   "reno; default: the system's). On one host reno avoids BBR's pacing "
+                   "reordering loopback segments")  # fmt: skip
     p.add_argument("--prefill-token-budget", type=int, default=4096,
                    help="most prompt tokens computed in one forward pass")  # fmt: skip
     add_engine_flags(p)
@@ -34,11 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def transport_options(args: argparse.Namespace, name: str) -> dict[str, object]:
+    """The options this worker's flags give transport ``name``."""
+    if name == "tcp" and args.kv_tcp_congestion:
+        return {"congestion": args.kv_tcp_congestion}
+    return {}
+
+
 async def _main(args: argparse.Namespace) -> None:
     engine = build_engine(args)
     aengine = AsyncEngine(engine, prefill_token_budget=args.prefill_token_budget)
     names = [t.strip() for t in args.transports.split(",") if t.strip()]
-    transports = {n: get_transport(n) for n in names}
+    transports = {n: get_transport(n, **transport_options(args, n)) for n in names}
     svc = GrpcService("pdserve.v1.PrefillWorker", args.host, args.port, args.advertise_host)
     servicer = PrefillServicer(aengine, transports)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, svc.server)
@@ -50,7 +63,13 @@ async def _main(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.kv_tcp_congestion:
+        try:  # a name this process may not use is a bad flag, not a crash at startup
+            check_congestion(args.kv_tcp_congestion)
+        except TransferError as exc:
+            parser.error(f"--kv-tcp-congestion: {exc}")
     configure_logging("prefill", args.log_level)
     install_uvloop()
     asyncio.run(_main(args))

@@ -21,6 +21,7 @@ from bench.transfer import (
     added,
     config_from_args,
     hop_table,
+    main,
     parse_args,
     per_token_gaps,
     request_block_ids,
@@ -131,6 +132,11 @@ def test_quick_skips_the_hop_unless_asked() -> None:
     assert full.sizes == (128, 256, 512, 1024, 2048, 4096) and full.hop
     assert not config_from_args(parse_args(["--skip-hop"])).hop
     assert config_from_args(parse_args(["--quick", "--repeats", "7"])).repeats == 7
+    # Both TCP paths send with reno unless told otherwise; "system" leaves the host's default.
+    assert full.tcp_congestion == "reno"
+    assert config_from_args(parse_args(["--tcp-congestion", "system"])).tcp_congestion is None
+    assert config_from_args(parse_args(["--tcp-congestion", "bbr"])).tcp_congestion == "bbr"
+    assert main(["--tcp-congestion", "no-such-cc"]) == 2  # refused before anything starts
 
 
 def test_both_parts_pin_their_two_sides_to_two_cores(
@@ -164,6 +170,7 @@ def _run(tmp_path: Path, *args: str, timeout: float) -> dict:
 def test_quick_run_measures_every_method_at_every_size(tmp_path: Path) -> None:
     data = _run(tmp_path, "--quick", timeout=120)
     assert [r["tokens"] for r in data["transfer"]] == [128, 256]
+    assert data["config"]["tcp_congestion"] == "reno"
     assert data["hop"] is None
     for res in data["transfer"]:
         # 128 / 256 tokens are whole blocks: the bytes are the tokens' KV exactly.

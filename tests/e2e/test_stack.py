@@ -43,7 +43,8 @@ def stack(tmp_path_factory):
     args = parser.parse_args(
         ["--prefill", "2", "--decode", "2", "--transport", "shm,tcp", "--kv-cache-mib", "96",
          "--http-port", str(free_port()), "--grpc-port", str(free_port()),
-         "--heartbeat-ttl", "2", "--pin", "--control-cpus", "0"]
+         "--heartbeat-ttl", "2", "--pin", "--control-cpus", "0",
+         "--kv-tcp-congestion", "reno"]
     )  # fmt: skip
     st = Stack(log_dir=tmp_path_factory.mktemp("stack"))
     try:

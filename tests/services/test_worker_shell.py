@@ -51,3 +51,29 @@ def test_pin_plan_puts_decode_workers_first_and_away_from_the_control_plane() ->
     }  # fmt: skip
     # no control plane pinned: decode workers still come first
     assert pin_plan(["prefill-0", "decode-0"], [4, 5], None) == {"decode-0": 4, "prefill-0": 5}
+
+
+def test_kv_tcp_congestion_flows_from_pdserve_up_to_the_prefill_workers_tcp_transport(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import argparse
+
+    from services.prefill.__main__ import main as prefill_main
+    from services.prefill.__main__ import transport_options
+    from services.up import add_up_flags, prefill_flags, run_up
+
+    up = argparse.ArgumentParser()
+    add_up_flags(up)
+    assert prefill_flags(up.parse_args([])) == []
+    flags = prefill_flags(up.parse_args(["--kv-tcp-congestion", "reno"]))
+    args = prefill_parser().parse_args(flags)
+    assert transport_options(args, "tcp") == {"congestion": "reno"}
+    assert transport_options(args, "shm") == {}
+    assert transport_options(prefill_parser().parse_args([]), "tcp") == {}
+    # A name the kernel refuses is a usage error at startup, before anything runs.
+    with pytest.raises(SystemExit) as exc:
+        prefill_main(["--kv-tcp-congestion", "no-such-cc"])
+    assert exc.value.code == 2
+    assert "cannot use TCP congestion control 'no-such-cc'" in capsys.readouterr().err
+    assert run_up(up.parse_args(["--kv-tcp-congestion", "no-such-cc"])) == 2
+    assert "--kv-tcp-congestion: cannot use" in capsys.readouterr().err
