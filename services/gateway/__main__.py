@@ -137,6 +137,7 @@ async def serve(cfg: GatewayConfig) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = GatewayConfig.from_sources(argv)
     configure_logging(cfg.log_level)
+    sys.setswitchinterval(cfg.switch_interval_ms / 1000.0)
     try:
         import uvloop
 

@@ -55,6 +55,12 @@ class GatewayConfig:
     )
     drain_timeout_s: float = _f(30.0, "on SIGTERM, how long in-flight streams may finish")
     log_level: str = _f("info", "log level", choices=LOG_LEVELS)
+    switch_interval_ms: float = _f(
+        0.5,
+        "Python's thread switch interval: the event loop relaying tokens shares the GIL with "
+        "gRPC's and the metrics server's threads, and waits up to this long to get it back "
+        "(Python's default is 5 ms)",
+    )
     # local backend: the engine's settings
     dtype: str = _f("float32", "engine dtype (local backend)", choices=DTYPES)
     threads: int | None = _f(None, "torch intra-op threads (local backend)")
@@ -86,6 +92,8 @@ class GatewayConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if not 0 < self.switch_interval_ms <= 100:
+            raise ValueError(f"switch_interval_ms={self.switch_interval_ms} must be > 0 and <= 100")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s} must be >= 0")
         if self.served_model_name is not None and not self.served_model_name.strip():

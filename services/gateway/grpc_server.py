@@ -165,10 +165,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     raise _status_for(exc) from None
                 except StopAsyncIteration:
                     raise _Status(grpc.StatusCode.INTERNAL, "the backend sent nothing") from None
-                log.info("grpc_generate_started", prompt_tokens=len(ids))
                 first_at = time.monotonic()
+                logged = False
                 async for ev in self._relay(rid, chunk, stream, with_ids, received_at, first_at):
                     yield ev
+                    if not logged:  # after the first event went out: a log write is no
+                        # business of the first token's delivery (it may wait for the GIL)
+                        log.info("grpc_generate_started", prompt_tokens=len(ids))
+                        logged = True
 
     async def _relay(
         self,

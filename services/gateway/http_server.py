@@ -241,17 +241,23 @@ async def _run_stream(
     frames: Callable[[GenerateChunk], list[dict[str, Any]]],
     usage_frame: Callable[[GenerateChunk], dict[str, Any]] | None,
     intro: Sequence[dict[str, Any]] = (),
+    started: Callable[[], None] | None = None,
 ) -> web.StreamResponse:
-    """Send ``intro``, then each chunk's ``frames``, the usage frame, and ``[DONE]``."""
+    """Send ``intro``, then each chunk's ``frames``, the usage frame, and ``[DONE]``;
+    ``started`` runs once the first chunk's frames are written (e.g. a log line, which
+    should not delay the first token)."""
     last: GenerateChunk | None = None
     try:
         try:
             for frame in intro:
                 await relay.send(frame)
             async for c in relay.all():
+                first = last is None
                 last = c
                 for frame in frames(c):
                     await relay.send(frame)
+                if first and started is not None:
+                    started()
             if usage_frame is not None and last is not None:
                 await relay.send(usage_frame(last))
         except _StreamFailed as exc:
@@ -303,9 +309,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
             relay = _Relay(request, stream, "prompt")
             await relay.start()
-            log.info("completion_started", prompt_tokens=len(inp.prompt_token_ids))
             return await _run_stream(
-                relay, frames, _usage_frame(rid, created, inp, "text_completion", req)
+                relay,
+                frames,
+                _usage_frame(rid, created, inp, "text_completion", req),
+                started=lambda: log.info(
+                    "completion_started", prompt_tokens=len(inp.prompt_token_ids)
+                ),
             )
 
 
@@ -347,13 +357,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
             relay = _Relay(request, stream, "messages")
             await relay.start()
-            log.info("chat_completion_started", prompt_tokens=len(inp.prompt_token_ids))
             role = {"role": "assistant", "content": ""}
             return await _run_stream(
                 relay,
                 frames,
                 _usage_frame(rid, created, inp, "chat.completion.chunk", req),
                 [out.chat_chunk(rid, created, model.name, role, None)],
+                started=lambda: log.info(
+                    "chat_completion_started", prompt_tokens=len(inp.prompt_token_ids)
+                ),
             )
 
 

@@ -57,3 +57,29 @@ def test_engine_config_mapping() -> None:
     assert ec.kv_cache_bytes == 64 << 20
     assert ec.chunked_prefill and ec.max_num_batched_tokens == 128
     assert (ec.max_num_seqs, ec.num_threads, ec.enable_prefix_caching) == (8, 2, True)
+
+
+def test_switch_interval_is_short_by_default_checked_and_applied(monkeypatch) -> None:
+    import sys
+
+    import services.gateway.__main__ as gateway_main
+
+    assert GatewayConfig.from_sources([], {}).switch_interval_ms == 0.5
+    assert GatewayConfig.from_sources(["--switch-interval-ms", "2"], {}).switch_interval_ms == 2
+    for bad in ("0", "-1", "101"):
+        with pytest.raises(SystemExit):
+            GatewayConfig.from_sources(["--switch-interval-ms", bad], {})
+    seen: list[float] = []
+
+    async def serve(cfg: GatewayConfig) -> int:
+        seen.append(sys.getswitchinterval())
+        return 0
+
+    before = sys.getswitchinterval()
+    monkeypatch.setattr(gateway_main, "serve", serve)
+    monkeypatch.setattr(gateway_main, "configure_logging", lambda level: None)
+    try:
+        assert gateway_main.main(["--switch-interval-ms", "0.25"]) == 0
+    finally:
+        sys.setswitchinterval(before)
+    assert seen == [pytest.approx(0.00025)]

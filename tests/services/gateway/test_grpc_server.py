@@ -245,3 +245,27 @@ async def test_health_serving_then_draining(gw, channel, stub) -> None:
         await _events(stub, _req())
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     await asyncio.sleep(0)
+
+
+async def test_the_first_event_goes_out_before_the_start_is_logged(gw, stub, monkeypatch) -> None:
+    """A log line is a write that may wait for the GIL: it must not delay the first token."""
+    import services.gateway.grpc_server as server
+
+    order: list[str] = []
+    real_event = server.conv.event
+
+    def event(*args, **kwargs):
+        order.append("event")
+        return real_event(*args, **kwargs)
+
+    class Log:
+        def __getattr__(self, level):
+            return lambda name, **kw: order.append(name)
+
+    monkeypatch.setattr(server.conv, "event", event)
+    monkeypatch.setattr(server, "log", Log())
+    req = gateway_pb2.GenerateRequest(model=MODEL, prompt="Hello", sampling=_greedy(3))
+    events = await _events(stub, req)
+    assert len(events) >= 2
+    assert order[:2] == ["event", "grpc_generate_started"], order
+    assert order.count("grpc_generate_started") == 1

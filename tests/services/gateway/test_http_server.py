@@ -329,3 +329,39 @@ async def test_api_keys_and_draining(gw, http) -> None:
             assert (await r.json())["error"]["code"] == "service_unavailable"
     finally:
         await server.stop()
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "name", "before"),
+    [
+        ("/v1/completions", {"prompt": "1, 2, 3,"}, "completion_started", 1),
+        # the role chunk, then the first token's chunk
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]},
+         "chat_completion_started", 2),
+    ],
+)  # fmt: skip
+async def test_the_first_chunk_goes_out_before_the_start_is_logged(
+    gw, http, monkeypatch, path, body, name, before
+) -> None:
+    """A log line is a write that may wait for the GIL: it must not delay the first token."""
+    import services.gateway.http_server as server
+
+    order: list[str] = []
+    real_send = server._Relay.send
+
+    async def send(self, obj):
+        order.append("send")
+        await real_send(self, obj)
+
+    class Log:
+        def __getattr__(self, level):
+            return lambda event, **kw: order.append(event)
+
+    monkeypatch.setattr(server._Relay, "send", send)
+    monkeypatch.setattr(server, "log", Log())
+    full = {"model": MODEL, "max_tokens": 4, "stream": True, "ignore_eos": True, **body, **GREEDY}
+    async with http.post(gw.base_url + path, json=full) as r:
+        assert r.status == 200
+        _sse_events(await r.read())
+    assert order.count(name) == 1
+    assert order.index(name) == before, order  # right after the first token's frames
