@@ -7,7 +7,8 @@ for the whole run: an ``shm`` target and a ``tcp`` target (each registers a regi
 decode worker) and a raw socket sink. This process holds the source pool. For each size, the
 request's source blocks are consecutive (a fresh allocation on a prefill worker) and its
 destination blocks come in runs of 1 to 16 at scattered places (a decode pool fragmented by
-churn), so each layer is ``2 x runs`` byte ranges. Every repeat runs, in turn:
+churn), so each layer is ``2 x runs`` byte ranges. Every repeat runs each of these once, in
+an order shuffled every round (a fixed order can phase-lock with a periodic disturbance):
 
 - ``memcpy bulk``: one memcpy of the request's byte volume between two buffers here;
 - ``memcpy``: one memcpy per range a transport moves, between two buffers here (the
@@ -202,6 +203,18 @@ def request_block_ids(
         if len(dst) == num_blocks:
             break
     return src, dst
+
+
+def shuffled_rounds(names: Sequence[str], rounds: int, seed: int) -> list[list[str]]:
+    """``rounds`` orders of ``names``, each a permutation drawn with ``seed``: every method
+    runs once a round, in a fresh order (see ``TransferBench.run_size``)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(rounds):
+        order = list(names)
+        rng.shuffle(order)
+        out.append(order)
+    return out
 
 
 def per_token_gaps(arrivals: Sequence[tuple[float, int]]) -> list[float]:
@@ -696,16 +709,20 @@ class TransferBench:
             run()
         seconds: dict[str, list[float]] = {m: [] for m in METHODS}
         waits: dict[str, list[float]] = {m: [] for m in METHODS}
-        # Round-robin, so drift in machine load hits every method alike.
-        for _ in range(self.cfg.repeats):
-            for name, run in runs.items():
-                elapsed, wait = run()
+        # Every method once a round, so drift in machine load hits every method alike; in a
+        # fresh order each round, so a disturbance that recurs with a period near a round's
+        # length cannot stay on one method's slot for many rounds in a row.
+        for names in shuffled_rounds(list(runs), self.cfg.repeats, self.cfg.seed * 7919 + tokens):
+            for name in names:
+                elapsed, wait = runs[name]()
                 seconds[name].append(elapsed)
                 if wait is not None:
                     waits[name].append(wait)
 
-        # Checked after the timed repeats; "memcpy" ran after "memcpy_bulk" in each round, so
-        # the local destination holds its blocks; the bulk copy is checked on its own after.
+        # Checked after the timed repeats: "memcpy" runs once more so the local destination
+        # holds its blocks (a round may end with "memcpy_bulk", which overwrites them); the
+        # bulk copy is checked on its own after.
+        self._memcpy(ranges)
         want = block_sums(self.src, self.src_layout, src_ids)
         socket_sum = self._socket(ranges, nbytes, want_sum=True)[1]
         verified = {

@@ -25,6 +25,7 @@ from bench.transfer import (
     parse_args,
     per_token_gaps,
     request_block_ids,
+    shuffled_rounds,
     split_cores,
     throughput_table,
 )
@@ -50,6 +51,17 @@ def test_request_block_ids_source_consecutive_destination_in_short_runs() -> Non
     assert request_block_ids(40, 56, 80, seed=4) != (src, dst)
     with pytest.raises(ValueError):
         request_block_ids(81, 100, 80, seed=0)
+
+
+def test_each_round_runs_every_method_once_in_a_fresh_order() -> None:
+    names = ["memcpy_bulk", "memcpy", "shm", "socket", "tcp"]
+    rounds = shuffled_rounds(names, 50, seed=3)
+    assert len(rounds) == 50 and all(sorted(r) == sorted(names) for r in rounds)
+    # the order changes from round to round (a fixed order can phase-lock with a periodic
+    # disturbance), and every method takes every slot somewhere
+    assert len({tuple(r) for r in rounds}) > 10
+    assert all({r[slot] for r in rounds} == set(names) for slot in range(len(names)))
+    assert shuffled_rounds(names, 50, seed=3) == rounds  # a seed replays its run
 
 
 def test_per_token_gaps_skip_the_first_event_and_split_multi_token_events() -> None:
