@@ -20,7 +20,7 @@ an order shuffled every round (a fixed order can phase-lock with a periodic dist
   ``begin`` to ``finish`` returning (the job plans the block runs once, ``plan_blocks``, and
   each ``write_blocks`` takes its layer's ranges from that plan: both count);
   ``wait`` is ``TransferResult.wait_seconds``, how long ``finish`` blocked;
-- ``socket``: a plain blocking TCP loopback socket: an 8-byte length, then one ``sendall`` per
+- ``socket``: a plain blocking TCP loopback socket: a 16-byte header, then one ``sendall`` per
   range (the same chunking), the sink ``recv_into``s a preallocated buffer and acknowledges;
   timed to the acknowledgement (the reference ``tcp`` is judged against).
 
