@@ -340,9 +340,9 @@ class TcpTransport(Transport):
     ``congestion`` is the TCP congestion control the writers' connections send with (Linux
     ``TCP_CONGESTION``; ``None``: the system's default). The sender's choice is the one that
     counts, and a name this process may not use fails here, not at the first connection.
-    Between two processes on one host ``reno`` beats ``bbr``: BBR paces, and its pacing
-    timer sends some segments from another CPU, so they arrive out of order on loopback and
-    trigger fast retransmits (docs/benchmarks.md, the transfer section).
+    Between two processes on one host ``reno`` avoids what ``bbr`` does there: BBR paces,
+    segments it held back go out from another CPU, and on loopback they arrive out of order
+    and trigger fast retransmits (measured: docs/benchmarks.md, the transfer section).
     """
 
     name = TRANSPORT_NAME

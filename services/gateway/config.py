@@ -58,8 +58,7 @@ class GatewayConfig:
     switch_interval_ms: float = _f(
         0.5,
         "Python's thread switch interval: the event loop relaying tokens shares the GIL with "
-        "gRPC's and the metrics server's threads, and waits up to this long to get it back "
-        "(Python's default is 5 ms)",
+        "gRPC's threads, and waits up to this long to get it back (Python's default is 5 ms)",
     )
     # local backend: the engine's settings
     dtype: str = _f("float32", "engine dtype (local backend)", choices=DTYPES)
