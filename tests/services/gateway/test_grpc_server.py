@@ -231,22 +231,6 @@ async def test_metrics_count_grpc_outcomes(gw) -> None:
     assert 'endpoint="grpc.Generate",status="CANCELLED"' in text
 
 
-async def test_health_serving_then_draining(gw, channel, stub) -> None:
-    # Last in the module: draining is one-way.
-    health = health_pb2_grpc.HealthStub(channel)
-    for service in ("", "pdserve.v1.Gateway"):
-        reply = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
-        assert reply.status == health_pb2.HealthCheckResponse.SERVING
-    gw.service.start_draining()
-    await gw.grpc.drain()
-    reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
-    assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await _events(stub, _req())
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    await asyncio.sleep(0)
-
-
 async def test_the_first_event_goes_out_before_the_start_is_logged(gw, stub, monkeypatch) -> None:
     """A log line is a write that may wait for the GIL: it must not delay the first token."""
     import services.gateway.grpc_server as server
@@ -269,3 +253,19 @@ async def test_the_first_event_goes_out_before_the_start_is_logged(gw, stub, mon
     assert len(events) >= 2
     assert order[:2] == ["event", "grpc_generate_started"], order
     assert order.count("grpc_generate_started") == 1
+
+
+async def test_health_serving_then_draining(gw, channel, stub) -> None:
+    # Last in the module: draining is one-way.
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "pdserve.v1.Gateway"):
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    gw.service.start_draining()
+    await gw.grpc.drain()
+    reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _events(stub, _req())
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    await asyncio.sleep(0)
