@@ -19,6 +19,7 @@ import threading
 import urllib.request
 from pathlib import Path
 
+from services.common.config import tcp_congestion
 from services.launcher import Proc, Stack, default_log_dir, free_port, py, redis_proc
 
 
@@ -29,7 +30,7 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default="shm",
                    help="KV data plane of the decode workers: shm or tcp, or a comma list "
                    "given to them round-robin (e.g. shm,tcp)")  # fmt: skip
-    p.add_argument("--kv-tcp-congestion", default=None, metavar="NAME",
+    p.add_argument("--kv-tcp-congestion", type=tcp_congestion, default=None, metavar="NAME",
                    help="prefill workers: TCP congestion control of tcp KV connections "
                    "(e.g. reno; default: the system's)")  # fmt: skip
     p.add_argument("--heartbeat-ttl", type=float, default=3.0, metavar="SECONDS",
@@ -233,17 +234,6 @@ def run_up(args: argparse.Namespace) -> int:
     if bad:
         print(f"pdserve up: unknown transport(s) {sorted(bad)}; use shm or tcp", file=sys.stderr)
         return 2
-    if args.kv_tcp_congestion:
-        # Here, not at the top: the transfer package imports torch, which `pdserve --help`
-        # and the control plane never need.
-        from transfer.errors import TransferError
-        from transfer.tcp_frames import check_congestion
-
-        try:
-            check_congestion(args.kv_tcp_congestion)
-        except TransferError as exc:
-            print(f"pdserve up: --kv-tcp-congestion: {exc}", file=sys.stderr)
-            return 2
     log_dir = args.log_dir or default_log_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
     stack = Stack(log_dir=log_dir, echo=args.echo_logs)

@@ -6,6 +6,19 @@ import argparse
 import os
 
 
+def tcp_congestion(text: str) -> str:
+    """argparse type of a flag naming a TCP congestion control: one this process may use,
+    checked while parsing, so a refused name is a usage error (exit 2), not a failed start."""
+    from transfer.errors import TransferError  # here: the transfer package imports torch
+    from transfer.tcp_frames import check_congestion
+
+    try:
+        check_congestion(text)
+    except TransferError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def apply_env_defaults(parser: argparse.ArgumentParser, service: str) -> None:
     """Let ``PDSERVE_<SERVICE>_<DEST>`` set any flag's default (the command line still wins).
 
@@ -21,7 +34,10 @@ def apply_env_defaults(parser: argparse.ArgumentParser, service: str) -> None:
         if isinstance(action, argparse._StoreTrueAction):
             action.default = raw.lower() in ("1", "true", "yes", "on")
         elif action.type is not None:
-            action.default = action.type(raw)
+            try:
+                action.default = action.type(raw)
+            except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
+                parser.error(f"{prefix}{action.dest.upper()}={raw!r}: {exc}")
         else:
             action.default = raw
 

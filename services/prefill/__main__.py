@@ -13,14 +13,12 @@ from collections.abc import Sequence
 
 from engine.async_engine import AsyncEngine
 from pdserve.v1 import worker_pb2_grpc
-from services.common.config import add_service_flags, apply_env_defaults
+from services.common.config import add_service_flags, apply_env_defaults, tcp_congestion
 from services.common.engine_args import add_engine_flags
 from services.common.serving import GrpcService, configure_logging, install_uvloop
 from services.common.worker import build_engine, serve_worker
 from services.prefill.server import PrefillServicer
-from transfer.errors import TransferError
 from transfer.registry import get_transport
-from transfer.tcp_frames import check_congestion
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_service_flags(p, port=50061, metrics_port=0)
     p.add_argument("--transports", default="shm,tcp",
                    help="comma-separated transports this worker can write with")  # fmt: skip
-    p.add_argument("--kv-tcp-congestion", default=None, metavar="NAME",
+    p.add_argument("--kv-tcp-congestion", type=tcp_congestion, default=None, metavar="NAME",
                    help="TCP congestion control of this worker's tcp KV connections (e.g. "
                    "reno; default: the system's). On one host reno avoids BBR's pacing "
                    "reordering loopback segments")  # fmt: skip
@@ -63,13 +61,7 @@ async def _main(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.kv_tcp_congestion:
-        try:  # a name this process may not use is a bad flag, not a crash at startup
-            check_congestion(args.kv_tcp_congestion)
-        except TransferError as exc:
-            parser.error(f"--kv-tcp-congestion: {exc}")
+    args = build_parser().parse_args(argv)
     configure_logging("prefill", args.log_level)
     install_uvloop()
     asyncio.run(_main(args))

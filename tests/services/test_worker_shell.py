@@ -60,7 +60,7 @@ def test_kv_tcp_congestion_flows_from_pdserve_up_to_the_prefill_workers_tcp_tran
 
     from services.prefill.__main__ import main as prefill_main
     from services.prefill.__main__ import transport_options
-    from services.up import add_up_flags, prefill_flags, run_up
+    from services.up import add_up_flags, prefill_flags
 
     up = argparse.ArgumentParser()
     add_up_flags(up)
@@ -75,5 +75,26 @@ def test_kv_tcp_congestion_flows_from_pdserve_up_to_the_prefill_workers_tcp_tran
         prefill_main(["--kv-tcp-congestion", "no-such-cc"])
     assert exc.value.code == 2
     assert "cannot use TCP congestion control 'no-such-cc'" in capsys.readouterr().err
-    assert run_up(up.parse_args(["--kv-tcp-congestion", "no-such-cc"])) == 2
+    with pytest.raises(SystemExit) as exc:
+        up.parse_args(["--kv-tcp-congestion", "no-such-cc"])
+    assert exc.value.code == 2
     assert "--kv-tcp-congestion: cannot use" in capsys.readouterr().err
+
+
+def test_a_bad_environment_default_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PDSERVE_PREFILL_KV_TCP_CONGESTION", "no-such-cc")
+    with pytest.raises(SystemExit) as exc:
+        prefill_parser()
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "PDSERVE_PREFILL_KV_TCP_CONGESTION='no-such-cc'" in err
+    assert "cannot use TCP congestion control" in err
+    monkeypatch.setenv("PDSERVE_PREFILL_KV_TCP_CONGESTION", "reno")
+    assert prefill_parser().parse_args([]).kv_tcp_congestion == "reno"
+    monkeypatch.setenv("PDSERVE_DECODE_PORT", "many")
+    with pytest.raises(SystemExit) as exc:
+        decode_parser()
+    assert exc.value.code == 2
+    assert "PDSERVE_DECODE_PORT='many'" in capsys.readouterr().err
