@@ -937,12 +937,9 @@ async def _hop_async(
     engine = await asyncio.to_thread(
         LLMEngine, EngineConfig(num_threads=1, kv_cache_bytes=HOP_KV_MIB << 20)
     )
-    aengine = AsyncEngine(engine)
+    # The in-process engine's thread computes where the workers' engine threads do.
+    aengine = AsyncEngine(engine, cpus=engine_cpus)
     aengine.start()
-    if engine_cpus:  # the in-process engine's thread computes where the workers' engines do
-        (thread,) = [t for t in threading.enumerate() if t.name == "engine"]
-        assert thread.native_id is not None
-        os.sched_setaffinity(thread.native_id, engine_cpus)
     streams: dict[str, Callable[[str, list[int], int], Any]] = {
         "in-process AsyncEngine": lambda r, i, n: _stream_inprocess(aengine, r, i, n)
     }
@@ -1016,9 +1013,13 @@ def run_hop(cfg: BenchConfig) -> HopResult:
     errors: dict[str, str] = {}
     client, engine = split_cores(cfg.hop_pin)
     try:
+        # Laid out as `pdserve up --pin --control-cpus` lays out its worker: the process on
+        # both cores, its engine thread alone on the engine core.
+        pin = ["--engine-cpus", ",".join(map(str, sorted(engine)))] if engine else []
         services["decode"] = Service(
             ["-m", "services.decode", "--role", "colocated", "--port", "0", "--threads", "1",
-             "--kv-cache-mib", str(HOP_KV_MIB), "--metrics-port", "0"], cpus=engine,
+             "--kv-cache-mib", str(HOP_KV_MIB), "--metrics-port", "0", *pin],
+            cpus=(client | engine) if client and engine else None,
         )  # fmt: skip
         if not cfg.gateway:
             errors["gateway → decode gRPC"] = "skipped (--no-gateway)"

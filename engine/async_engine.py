@@ -34,10 +34,12 @@ from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, PrefillOutput, PrefillPlan
 from engine.output_processor import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.threads import name_current_thread, pin_current_thread
 
 log = structlog.get_logger(__name__)
 
 _IDLE_WAIT_S = 0.05
+_START_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -74,9 +76,17 @@ class AsyncEngine:
         *,
         prefill_token_budget: int = 4096,
         delivery_wait_s: float = DELIVERY_WAIT_S,
+        cpus: frozenset[int] | set[int] | None = None,
     ) -> None:
+        """``cpus``: the cores the engine thread (and the torch threads it starts) runs on;
+        None: wherever the process may run. ``ValueError`` for cores outside the process's."""
         if delivery_wait_s < 0:
             raise ValueError(f"delivery_wait_s must be >= 0, got {delivery_wait_s}")
+        self.cpus = frozenset(cpus) if cpus is not None else None
+        if self.cpus is not None and (
+            not self.cpus or not all(type(c) is int and c >= 0 for c in self.cpus)
+        ):
+            raise ValueError(f"cpus must be a non-empty set of core numbers, got {cpus!r}")
         self.engine = engine
         self.prefill_token_budget = prefill_token_budget
         self.delivery_wait_s = delivery_wait_s
@@ -96,15 +106,31 @@ class AsyncEngine:
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
+        """Start the engine thread; raises ``OSError`` (and starts nothing) when it cannot
+        run on ``cpus``."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        placed: Future[None] = Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(placed,), name="engine", daemon=True
+        )
         self._thread.start()
+        try:
+            placed.result(timeout=_START_TIMEOUT_S)
+        except BaseException:
+            self._stop.set()
+            self._thread.join(_START_TIMEOUT_S)
+            raise
 
     async def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._commands.put((lambda: None, Future()))
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
+
+    @property
+    def native_thread_id(self) -> int | None:
+        """The engine thread's OS id once started (``/proc/<pid>/task/<id>``)."""
+        return self._thread.native_id if self._thread is not None else None
 
     @property
     def stats(self) -> EngineStats:
@@ -237,7 +263,18 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(q.put_nowait, ev)
 
     # -- the engine thread --------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, placed: Future[None]) -> None:
+        name_current_thread("pdserve-engine")
+        # Before any torch work here: the intra-op threads this thread starts inherit it.
+        if self.cpus is not None:
+            try:
+                pin_current_thread(self.cpus)
+            except OSError as e:
+                placed.set_exception(
+                    OSError(e.errno, f"cannot run the engine thread on cores {sorted(self.cpus)}")
+                )
+                return
+        placed.set_result(None)
         eng = self.engine
         while not self._stop.is_set():
             busy = eng.has_unfinished() or bool(self._prefills)

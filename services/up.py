@@ -5,7 +5,9 @@ Disaggregated (default): redis-server, the scheduler, ``--prefill`` prefill work
 colocated worker (prefill and decode in one engine) behind the same scheduler and gateway:
 the baseline. ``--pin`` gives each worker its own CPU core (``pin_plan``: decode workers
 first, on cores outside ``--control-cpus`` first, so the latency-critical token loop is the
-last to share a core with the control plane).
+last to share a core with the control plane); with ``--control-cpus`` the core is the
+engine thread's alone and the worker's I/O threads may also use the control cores
+(``worker_placement``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import threading
 import urllib.request
 from pathlib import Path
 
-from services.common.config import tcp_congestion
+from services.common.config import cpu_list, tcp_congestion
 from services.launcher import Proc, Stack, default_log_dir, free_port, py, redis_proc
 
 
@@ -43,8 +45,10 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker")
     p.add_argument("--pin", action="store_true",
                    help="pin each worker to its own CPU core (decode workers first, "
-                   "away from --control-cpus first)")  # fmt: skip
-    p.add_argument("--control-cpus", type=_cpu_list, default=None, metavar="CPUS",
+                   "away from --control-cpus first); with --control-cpus, only the "
+                   "worker's engine thread is held to its core, and its event loop, gRPC "
+                   "and KV sender threads may also run on the control cores")  # fmt: skip
+    p.add_argument("--control-cpus", type=cpu_list, default=None, metavar="CPUS",
                    help="pin redis, the scheduler and the gateway to these cores "
                    "(comma list, e.g. 0; default: not pinned)")  # fmt: skip
     p.add_argument("--kv-cache-mib", type=int, default=512, help="KV pool per worker")
@@ -67,18 +71,6 @@ def prefill_flags(args: argparse.Namespace) -> list[str]:
     return []
 
 
-def _cpu_list(text: str) -> set[int]:
-    """``"0,2"`` -> ``{0, 2}``; every core must be one this process may run on."""
-    try:
-        cores = {int(c) for c in text.split(",") if c.strip()}
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma list of core numbers: {text!r}") from None
-    allowed = os.sched_getaffinity(0)
-    if not cores or not cores <= allowed:
-        raise argparse.ArgumentTypeError(f"cores {text!r} are not within {sorted(allowed)}")
-    return cores
-
-
 def pin_plan(workers: list[str], cores: list[int], control: set[int] | None) -> dict[str, int]:
     """One core per worker, round-robin: decode (and colocated) workers are placed before
     prefill workers, and cores outside ``control`` are handed out before control cores.
@@ -91,6 +83,30 @@ def pin_plan(workers: list[str], cores: list[int], control: set[int] | None) -> 
     ranked = [c for c in cores if c not in (control or set())]
     ranked += [c for c in cores if c in (control or set())]
     return {w: ranked[i % len(ranked)] for i, w in enumerate(order)}
+
+
+def worker_placement(
+    name: str, plan: dict[str, int], control: set[int] | None
+) -> tuple[set[int] | None, list[str]]:
+    """``(the worker process's cores, its pinning flags)`` under ``--pin``.
+
+    With control cores, the process runs on its core and the control cores, and
+    ``--engine-cpus`` keeps its engine thread alone on its core: the event loop, gRPC and
+    KV sender threads can then run beside a step's compute instead of queueing behind it
+    for the one core (measured in docs/benchmarks.md, "Serving hop"). Without, the whole
+    process is on its core. A worker outside ``plan``: not pinned.
+
+    >>> worker_placement("decode-0", {"decode-0": 1}, {0})
+    ({0, 1}, ['--engine-cpus', '1'])
+    >>> worker_placement("decode-0", {"decode-0": 1}, None)
+    ({1}, [])
+    """
+    if name not in plan:
+        return None, []
+    core = plan[name]
+    if not control:
+        return {core}, []
+    return {core} | set(control), ["--engine-cpus", str(core)]
 
 
 def _engine_args(args: argparse.Namespace) -> list[str]:
@@ -125,7 +141,10 @@ def launch(args: argparse.Namespace, stack: Stack) -> dict[str, str]:
     plan = pin_plan(names, sorted(os.sched_getaffinity(0)), control) if args.pin else {}
 
     def cpus(name: str) -> set[int] | None:
-        return {plan[name]} if name in plan else None
+        return worker_placement(name, plan, control)[0]
+
+    def pin(name: str) -> list[str]:
+        return worker_placement(name, plan, control)[1]
 
     common = ["--host", args.host, "--port", "0", "--scheduler", sched.address,
               "--heartbeat-interval", "0.5"]  # fmt: skip
@@ -141,21 +160,21 @@ def launch(args: argparse.Namespace, stack: Stack) -> dict[str, str]:
         extra = ["--chunked-prefill", str(args.chunked_prefill)] if args.chunked_prefill else []
         workers.append(stack.start(Proc("colocated-0", py(
             "services.decode", "--role", "colocated", *common, *_engine_args(args), *extra,
-            *metrics_flag("colocated-0"),
+            *pin("colocated-0"), *metrics_flag("colocated-0"),
         ), cpus("colocated-0"))))  # fmt: skip
     else:
         prefill_extra = prefill_flags(args)
         for i in range(args.prefill):
             workers.append(stack.start(Proc(f"prefill-{i}", py(
                 "services.prefill", *common, "--worker-id", f"prefill-{i}", *_engine_args(args),
-                *prefill_extra, *metrics_flag(f"prefill-{i}"),
+                *prefill_extra, *pin(f"prefill-{i}"), *metrics_flag(f"prefill-{i}"),
             ), cpus(f"prefill-{i}"))))  # fmt: skip
         transports = [t.strip() for t in args.transport.split(",") if t.strip()]
         for i in range(args.decode):
             workers.append(stack.start(Proc(f"decode-{i}", py(
                 "services.decode", *common, "--worker-id", f"decode-{i}",
                 "--transport", transports[i % len(transports)], *_engine_args(args),
-                *metrics_flag(f"decode-{i}"),
+                *pin(f"decode-{i}"), *metrics_flag(f"decode-{i}"),
             ), cpus(f"decode-{i}"))))  # fmt: skip
     gw = ["--host", args.host, "--http-port", str(args.http_port),
           "--grpc-port", str(args.grpc_port),

@@ -19,6 +19,20 @@ def tcp_congestion(text: str) -> str:
     return text
 
 
+def cpu_list(text: str) -> set[int]:
+    """argparse type of a comma list of cores (``"0,2"``), each one this process may run on."""
+    from engine.threads import check_cpus
+
+    try:
+        cores = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of core numbers: {text!r}") from None
+    try:
+        return set(check_cpus(cores))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+
+
 def apply_env_defaults(parser: argparse.ArgumentParser, service: str) -> None:
     """Let ``PDSERVE_<SERVICE>_<DEST>`` set any flag's default (the command line still wins).
 

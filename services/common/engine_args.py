@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from services.common.config import cpu_list
+
 if TYPE_CHECKING:
     from engine.llm_engine import EngineConfig
 
@@ -30,14 +32,31 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="split prompts into chunks of this many tokens (0: off)",
     )
     g.add_argument("--no-prefix-caching", action="store_true")
+
+
+def add_worker_flags(p: argparse.ArgumentParser) -> None:
+    """The threads of a worker process (prefill, decode): where the engine thread runs and
+    how long the event loop may wait for the GIL."""
+    g = p.add_argument_group("worker threads")
+    g.add_argument(
+        "--engine-cpus",
+        type=cpu_list,
+        default=None,
+        metavar="CPUS",
+        help="pin the engine thread (and the torch threads it starts) to these cores (comma "
+        "list). The event loop, gRPC and KV sender threads keep all the process's cores, so "
+        "with more cores than these they run beside a step's compute instead of waiting "
+        "for the CPU (pdserve up --pin --control-cpus starts each worker on its core plus "
+        "the control cores, with this set to its core; default: not pinned)",
+    )
     g.add_argument(
         "--switch-interval-ms",
         type=_positive_ms,
         default=0.5,
         metavar="MS",
-        help="workers: Python's thread switch interval. The engine thread holds the GIL in "
-        "its Python parts; this bounds how long the gRPC/event-loop thread waits to send a "
-        "token (Python's default is 5 ms; default here: %(default)s)",
+        help="Python's thread switch interval. The engine thread holds the GIL in its Python "
+        "parts; this bounds how long the gRPC/event-loop thread waits to send a token "
+        "(Python's default is 5 ms; default here: %(default)s)",
     )
 
 

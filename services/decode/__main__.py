@@ -19,7 +19,7 @@ from engine.async_engine import AsyncEngine
 from engine.kv_cache import KVCacheSpec
 from pdserve.v1 import worker_pb2_grpc
 from services.common.config import add_service_flags, apply_env_defaults
-from services.common.engine_args import add_engine_flags
+from services.common.engine_args import add_engine_flags, add_worker_flags
 from services.common.serving import GrpcService, configure_logging, install_uvloop
 from services.common.worker import build_engine, serve_worker
 from services.decode.server import DecodeServicer
@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "named (conditional disaggregation; 0: never)")  # fmt: skip
     p.add_argument("--prefill-deadline", type=float, default=30.0, metavar="SECONDS")
     add_engine_flags(p)
+    add_worker_flags(p)
     apply_env_defaults(p, "decode")
     return p
 
@@ -63,7 +64,7 @@ async def _main(args: argparse.Namespace) -> None:
         engine = build_engine(args, kv_memory)
     else:
         engine = build_engine(args)
-    aengine = AsyncEngine(engine)
+    aengine = AsyncEngine(engine, cpus=args.engine_cpus)
     svc = GrpcService("pdserve.v1.DecodeWorker", args.host, args.port, args.advertise_host)
     servicer = DecodeServicer(
         aengine,

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from engine.async_engine import AsyncEngine
 from pdserve.v1 import worker_pb2_grpc
 from services.common.config import add_service_flags, apply_env_defaults, tcp_congestion
-from services.common.engine_args import add_engine_flags
+from services.common.engine_args import add_engine_flags, add_worker_flags
 from services.common.serving import GrpcService, configure_logging, install_uvloop
 from services.common.worker import build_engine, serve_worker
 from services.prefill.server import PrefillServicer
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-token-budget", type=int, default=4096,
                    help="most prompt tokens computed in one forward pass")  # fmt: skip
     add_engine_flags(p)
+    add_worker_flags(p)
     apply_env_defaults(p, "prefill")
     return p
 
@@ -47,7 +48,9 @@ def transport_options(args: argparse.Namespace, name: str) -> dict[str, object]:
 
 async def _main(args: argparse.Namespace) -> None:
     engine = build_engine(args)
-    aengine = AsyncEngine(engine, prefill_token_budget=args.prefill_token_budget)
+    aengine = AsyncEngine(
+        engine, prefill_token_budget=args.prefill_token_budget, cpus=args.engine_cpus
+    )
     names = [t.strip() for t in args.transports.split(",") if t.strip()]
     transports = {n: get_transport(n, **transport_options(args, n)) for n in names}
     svc = GrpcService("pdserve.v1.PrefillWorker", args.host, args.port, args.advertise_host)

@@ -90,7 +90,19 @@ async def _chat(client, model: str, q: str, max_tokens: int = MAX_TOKENS) -> tup
     return "".join(text), reason
 
 
-def test_pinning_puts_each_worker_on_its_core_and_the_control_plane_on_core_0(stack) -> None:
+def _engine_thread_cores(pid: int) -> list[set[int]]:
+    """The cores of each thread of process ``pid`` the OS calls ``pdserve-engine``."""
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/comm") as f:
+            if f.read().strip() == "pdserve-engine":
+                found.append(os.sched_getaffinity(int(task)))
+    return found
+
+
+def test_pinning_puts_each_engine_thread_on_its_core_and_the_control_plane_on_core_0(
+    stack,
+) -> None:
     st, _ = stack
     cores = sorted(os.sched_getaffinity(0))
     workers = [p for p in st.procs if p.name.startswith(("prefill-", "decode-"))]
@@ -100,7 +112,10 @@ def test_pinning_puts_each_worker_on_its_core_and_the_control_plane_on_core_0(st
         assert plan == {"decode-0": 1, "decode-1": 0, "prefill-0": 1, "prefill-1": 0}
     for p in workers:
         assert p.popen is not None
-        assert os.sched_getaffinity(p.popen.pid) == {plan[p.name]}, p.name
+        # the process (event loop, gRPC, KV senders) on its core and the control core; the
+        # engine thread on its core alone
+        assert os.sched_getaffinity(p.popen.pid) == {plan[p.name], 0}, p.name
+        assert _engine_thread_cores(p.popen.pid) == [{plan[p.name]}], p.name
     for p in st.procs:
         if p.name in ("redis", "scheduler", "gateway"):
             assert p.popen is not None

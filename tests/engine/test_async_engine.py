@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 
 import pytest
@@ -207,3 +208,49 @@ async def test_on_step_reports_every_step_and_a_failing_hook_is_contained(make_e
     assert sum(len(ev.new_token_ids) for ev in events) == 6  # the raise stopped nothing
     steps = [s for s in seen if s[0] == "step"]
     assert len(steps) == 6 and all(sec > 0 and size == 1 for _, sec, size in steps)
+
+
+def _thread_status(tid: int) -> tuple[str, set[int]]:
+    """(OS name, cores) of a thread of this process, as ``top -H`` and the kernel see them."""
+    with open(f"/proc/self/task/{tid}/comm") as f:
+        name = f.read().strip()
+    return name, os.sched_getaffinity(tid)
+
+
+async def test_the_engine_thread_runs_on_its_cores_and_the_caller_keeps_its_own(
+    make_engine,
+) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    mine = set(cores)
+    aeng = AsyncEngine(make_engine(), cpus={cores[-1]})
+    aeng.start()
+    try:
+        tid = aeng.native_thread_id
+        assert tid is not None
+        assert _thread_status(tid) == ("pdserve-engine", {cores[-1]})
+        assert os.sched_getaffinity(0) == mine  # only the engine thread moved
+        assert len(await _collect(aeng, "pinned", "Hello")) == GREEDY.max_tokens
+    finally:
+        await aeng.stop()
+    # Unpinned (the default): the engine thread keeps the process's cores.
+    aeng = AsyncEngine(make_engine())
+    aeng.start()
+    try:
+        tid = aeng.native_thread_id
+        assert tid is not None
+        assert _thread_status(tid) == ("pdserve-engine", mine)
+    finally:
+        await aeng.stop()
+
+
+async def test_cores_the_system_refuses_fail_start_and_bad_ones_fail_construction(
+    make_engine,
+) -> None:
+    eng = make_engine()
+    aeng = AsyncEngine(eng, cpus={os.cpu_count() + 4096})  # no such core
+    with pytest.raises(OSError, match="cannot run the engine thread on cores"):
+        aeng.start()
+    assert aeng._thread is not None and not aeng._thread.is_alive()
+    for bad in (set(), {-1}, {"0"}, {True}):
+        with pytest.raises(ValueError, match="cpus must be"):
+            AsyncEngine(eng, cpus=bad)  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""The worker process shell's settings: the GIL switch interval flag."""
+"""The worker process shell's settings: the GIL switch interval, pinning, environment defaults."""
 
 from __future__ import annotations
 
@@ -51,6 +51,35 @@ def test_pin_plan_puts_decode_workers_first_and_away_from_the_control_plane() ->
     }  # fmt: skip
     # no control plane pinned: decode workers still come first
     assert pin_plan(["prefill-0", "decode-0"], [4, 5], None) == {"decode-0": 4, "prefill-0": 5}
+
+
+def test_pinned_workers_keep_the_core_for_the_engine_thread_and_share_the_control_cores() -> None:
+    from services.up import worker_placement
+
+    plan = {"decode-0": 1, "prefill-0": 0}
+    # control cores named: the process may also run there, the engine thread only on its core
+    assert worker_placement("decode-0", plan, {0}) == ({0, 1}, ["--engine-cpus", "1"])
+    assert worker_placement("prefill-0", plan, {0}) == ({0}, ["--engine-cpus", "0"])
+    assert worker_placement("decode-0", {"decode-0": 3}, {0, 1}) == (
+        {0, 1, 3}, ["--engine-cpus", "3"],
+    )  # fmt: skip
+    # no control cores: the whole process on its core, as before
+    assert worker_placement("decode-0", plan, None) == ({1}, [])
+    # not pinned at all
+    assert worker_placement("decode-0", {}, {0}) == (None, [])
+    # the flag it hands out is one both workers parse
+    for parser in (decode_parser, prefill_parser):
+        assert parser().parse_args(["--engine-cpus", "0"]).engine_cpus == {0}
+
+
+@pytest.mark.parametrize("bad", ["", "x", "0,y", "-1", "100000"])
+def test_engine_cpus_outside_the_process_cores_is_a_usage_error(
+    bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        decode_parser().parse_args(["--engine-cpus", bad])
+    assert exc.value.code == 2
+    assert "--engine-cpus" in capsys.readouterr().err
 
 
 def test_kv_tcp_congestion_flows_from_pdserve_up_to_the_prefill_workers_tcp_transport(

@@ -1,0 +1,45 @@
+"""Where a thread runs and what the OS calls it (Linux; elsewhere a no-op or an error).
+
+A worker's engine thread computes for tens of milliseconds at a time. Pinned to a core of
+its own, it never shares that core with the event loop and the gRPC threads that carry
+its tokens out: those run on the process's other cores (``pdserve up --pin`` gives a
+worker process its core and the control cores, and the engine thread its core alone).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from collections.abc import Iterable
+
+_PR_SET_NAME = 15
+_NAME_MAX = 15  # bytes, without the NUL
+
+
+def check_cpus(cpus: Iterable[int]) -> frozenset[int]:
+    """``cpus`` as a set this process may run on; ``ValueError`` if empty or outside it."""
+    wanted = frozenset(cpus)
+    allowed = os.sched_getaffinity(0)
+    if not wanted or not all(isinstance(c, int) and not isinstance(c, bool) for c in wanted):
+        raise ValueError(f"cpus must be a non-empty set of core numbers, got {sorted(wanted)}")
+    if not wanted <= allowed:
+        raise ValueError(f"cores {sorted(wanted)} are not within {sorted(allowed)}")
+    return wanted
+
+
+def pin_current_thread(cpus: Iterable[int]) -> None:
+    """Run the calling thread (and threads it starts later) only on ``cpus``, which may lie
+    outside its current cores; ``OSError`` when the system refuses them."""
+    os.sched_setaffinity(0, cpus)  # pid 0: the calling thread on Linux
+
+
+def name_current_thread(name: str) -> bool:
+    """Set the calling thread's OS name (``top -H``, ``/proc/<pid>/task/<tid>/comm``),
+    cut to 15 bytes. False where the platform has no ``prctl``."""
+    path = ctypes.util.find_library("c")
+    if path is None or not hasattr(os, "sched_setaffinity"):
+        return False
+    libc = ctypes.CDLL(path, use_errno=True)
+    raw = name.encode("utf-8", "replace")[:_NAME_MAX]
+    return libc.prctl(_PR_SET_NAME, ctypes.c_char_p(raw), 0, 0, 0) == 0
