@@ -5,8 +5,8 @@ Disaggregated (default): redis-server, the scheduler, ``--prefill`` prefill work
 colocated worker (prefill and decode in one engine) behind the same scheduler and gateway:
 the baseline. ``--pin`` gives each worker its own CPU core (``pin_plan``: decode workers
 first, on cores outside ``--control-cpus`` first, so the latency-critical token loop is the
-last to share a core with the control plane); with ``--control-cpus`` the core is the
-engine thread's alone and the worker's I/O threads may also use the control cores
+last to share a core with the control plane); the core is the engine thread's, and the
+worker's I/O threads may also use control cores no worker computes on
 (``worker_placement``).
 """
 
@@ -45,9 +45,9 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker")
     p.add_argument("--pin", action="store_true",
                    help="pin each worker to its own CPU core (decode workers first, "
-                   "away from --control-cpus first); with --control-cpus, only the "
-                   "worker's engine thread is held to its core, and its event loop, gRPC "
-                   "and KV sender threads may also run on the control cores")  # fmt: skip
+                   "away from --control-cpus first); when some control cores run no "
+                   "worker, only each worker's engine thread is held to its core, and its "
+                   "event loop, gRPC and KV sender threads may also run on those")  # fmt: skip
     p.add_argument("--control-cpus", type=cpu_list, default=None, metavar="CPUS",
                    help="pin redis, the scheduler and the gateway to these cores "
                    "(comma list, e.g. 0; default: not pinned)")  # fmt: skip
@@ -90,23 +90,27 @@ def worker_placement(
 ) -> tuple[set[int] | None, list[str]]:
     """``(the worker process's cores, its pinning flags)`` under ``--pin``.
 
-    With control cores, the process runs on its core and the control cores, and
-    ``--engine-cpus`` keeps its engine thread alone on its core: the event loop, gRPC and
-    KV sender threads can then run beside a step's compute instead of queueing behind it
-    for the one core (measured in docs/benchmarks.md, "Serving hop"). Without, the whole
-    process is on its core. A worker outside ``plan``: not pinned.
+    A worker's engine thread always gets its core from ``plan``. Its other threads (event
+    loop, gRPC, KV senders) may also run on the control cores that no worker's engine is
+    pinned to: with ``--engine-cpus`` keeping the engine thread on its core, they then run
+    beside a step's compute instead of queueing behind it for the one core (measured in
+    docs/benchmarks.md, "Serving hop"). A control core that runs another worker's engine is
+    no spare room: a prefill computing there would hold the tokens back longer (measured
+    too, "Interference"), so without a free control core the whole process stays on its
+    core. A worker outside ``plan``: not pinned.
 
     >>> worker_placement("decode-0", {"decode-0": 1}, {0})
     ({0, 1}, ['--engine-cpus', '1'])
-    >>> worker_placement("decode-0", {"decode-0": 1}, None)
+    >>> worker_placement("decode-0", {"decode-0": 1, "prefill-0": 0}, {0})
     ({1}, [])
     """
     if name not in plan:
         return None, []
     core = plan[name]
-    if not control:
+    spare = set(control or ()) - set(plan.values())
+    if not spare:
         return {core}, []
-    return {core} | set(control), ["--engine-cpus", str(core)]
+    return {core} | spare, ["--engine-cpus", str(core)]
 
 
 def _engine_args(args: argparse.Namespace) -> list[str]:

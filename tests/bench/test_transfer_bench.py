@@ -124,15 +124,19 @@ def test_hop_table_judges_the_measured_delivery_delay() -> None:
     # ITL identical but 3 ms delivery delays: FAIL
     slow = HopPath("slow", (0.050,) * 50, True, delays=(0.003,) * 50)
     gone = HopPath("broken", (), False, "did not start")
-    hop = HopResult(tokens=51, repeats=1, paths=(base, near, noisy, slow, gone))
+    # a reference row is shown with its figures but judged by nobody
+    ref = HopPath("whole", (0.050,) * 50, True, delays=(0.003,) * 50, reference=True)
+    hop = HopResult(tokens=51, repeats=1, paths=(base, near, noisy, slow, gone, ref))
     lines = hop_table(hop).splitlines()
     assert "(baseline)" in lines[2]
     assert "+0.50" in lines[3] and "0.96" in lines[3] and "pass" in lines[3]
     assert "+5.10" in lines[4] and "pass" in lines[4] and "tokens differ" in lines[4]
     assert "3.00" in lines[5] and "FAIL" in lines[5]
     assert "not run: did not start" in lines[6]
+    assert "3.00" in lines[7] and "(reference)" in lines[7] and "FAIL" not in lines[7]
     paths = hop.to_json()["paths"]
-    assert [p.get("passed") for p in paths] == [None, True, True, False, None]
+    assert [p.get("passed") for p in paths] == [None, True, True, False, None, None]
+    assert [p["reference"] for p in paths] == [False] * 5 + [True]
     assert paths[1]["delay_p99_s"] == pytest.approx(0.000961)
 
 
@@ -207,11 +211,18 @@ def test_tiny_hop_streams_the_same_tokens_on_both_paths(tmp_path: Path) -> None:
     data = _run(
         tmp_path,
         *("--sizes", "16", "--repeats", "1", "--hop", "--hop-tokens", "4"),
-        *("--hop-repeats", "1", "--no-gateway"),
+        *("--hop-repeats", "1", "--no-gateway", "--hop-whole-pin"),
         timeout=240,
     )
     paths = {p["name"]: p for p in data["hop"]["paths"]}
     inproc, worker = paths["in-process AsyncEngine"], paths["decode worker gRPC"]
+    whole = paths["decode worker gRPC, whole process on the engine core"]
+    assert whole["reference"] is True and "passed" not in whole
+    if split_cores(True)[0] is None:  # one core: nothing pinned, so no such layout
+        assert "skipped" in whole["error"]
+    else:
+        assert whole["error"] is None and whole["outputs_match"] is True
+        assert len(whole["gaps_s"]) == 3 and 1 <= len(whole["delays_s"]) <= 4
     for p in (inproc, worker):
         assert p["error"] is None and len(p["gaps_s"]) == 3  # 4 tokens: 3 gaps
         assert all(0 < g < 10 for g in p["gaps_s"])

@@ -53,18 +53,23 @@ def test_pin_plan_puts_decode_workers_first_and_away_from_the_control_plane() ->
     assert pin_plan(["prefill-0", "decode-0"], [4, 5], None) == {"decode-0": 4, "prefill-0": 5}
 
 
-def test_pinned_workers_keep_the_core_for_the_engine_thread_and_share_the_control_cores() -> None:
+def test_pinned_workers_keep_the_core_for_the_engine_thread_and_share_free_control_cores() -> None:
     from services.up import worker_placement
 
-    plan = {"decode-0": 1, "prefill-0": 0}
-    # control cores named: the process may also run there, the engine thread only on its core
-    assert worker_placement("decode-0", plan, {0}) == ({0, 1}, ["--engine-cpus", "1"])
-    assert worker_placement("prefill-0", plan, {0}) == ({0}, ["--engine-cpus", "0"])
-    assert worker_placement("decode-0", {"decode-0": 3}, {0, 1}) == (
-        {0, 1, 3}, ["--engine-cpus", "3"],
+    # a control core no worker computes on: the process may also run there, the engine
+    # thread only on its core
+    assert worker_placement("colocated-0", {"colocated-0": 1}, {0}) == (
+        {0, 1}, ["--engine-cpus", "1"],
     )  # fmt: skip
-    # no control cores: the whole process on its core, as before
-    assert worker_placement("decode-0", plan, None) == ({1}, [])
+    plan = {"decode-0": 1, "decode-1": 2, "prefill-0": 3}
+    assert worker_placement("decode-0", plan, {0}) == ({0, 1}, ["--engine-cpus", "1"])
+    assert worker_placement("prefill-0", plan, {0, 1}) == ({0, 3}, ["--engine-cpus", "3"])
+    # the only control core runs a prefill worker: nothing spare, whole process on its core
+    two = {"decode-0": 1, "prefill-0": 0}
+    assert worker_placement("decode-0", two, {0}) == ({1}, [])
+    assert worker_placement("prefill-0", two, {0}) == ({0}, [])
+    # no control cores named: the whole process on its core
+    assert worker_placement("decode-0", {"decode-0": 1}, None) == ({1}, [])
     # not pinned at all
     assert worker_placement("decode-0", {}, {0}) == (None, [])
     # the flag it hands out is one both workers parse
