@@ -34,6 +34,10 @@ The raw socket and the tcp transport's connection send with the same TCP congest
 ``--tcp-congestion`` (default ``reno``; ``system``: the host's default, ``bbr`` here). With
 BBR both pace, and on loopback the transport's ~1 MiB sends then arrive out of order often
 enough to trigger fast retransmits (docs/benchmarks.md has the counters and both settings).
+A size's rounds (``--repeats``) come in ``--passes`` visits (default 5), the sizes taking
+turns, each visit after one untimed call of every method: a disturbance lasting a second or
+two, longer than all of a small size's rounds take, then lands in one visit's share of any
+size's samples (and in its P99), not in all of them (and its median).
 Throughput is bytes / median latency. Targets: shm >= 80% of memcpy, tcp >= 70% of the raw
 socket, at every size.
 
@@ -125,6 +129,7 @@ WHOLE_PIN_PATH = "decode worker gRPC, whole process on the engine core"
 _QUICK: dict[str, Any] = {
     "sizes": [128, 256],
     "repeats": 5,
+    "passes": 1,
     "hop": False,
     "hop_tokens": 16,
     "hop_repeats": 2,
@@ -132,6 +137,7 @@ _QUICK: dict[str, Any] = {
 _DEFAULTS: dict[str, Any] = {
     "sizes": [128, 256, 512, 1024, 2048, 4096],
     "repeats": 100,
+    "passes": 5,
     "hop": True,
     "hop_tokens": 64,
     "hop_repeats": 10,
@@ -143,7 +149,7 @@ class BenchConfig:
     """What one run measures."""
 
     sizes: tuple[int, ...]
-    repeats: int
+    repeats: int  # timed rounds per size
     hop: bool
     hop_tokens: int
     hop_repeats: int
@@ -157,6 +163,8 @@ class BenchConfig:
     # Hop: also stream from a decode worker pinned whole to the engine core (no
     # --engine-cpus), a reference row for what splitting its threads gains.
     hop_whole_pin: bool = False
+    # A size's rounds come in this many visits, the sizes taking turns (see run_transfer).
+    passes: int = 1
 
     def __post_init__(self) -> None:
         if not self.sizes or min(self.sizes) < 1:
@@ -166,6 +174,8 @@ class BenchConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.hop_tokens < 3:
             raise ValueError("hop_tokens must be >= 3 (two gaps at least)")
+        if not 1 <= self.passes <= self.repeats:
+            raise ValueError(f"passes must be in [1, repeats={self.repeats}], got {self.passes}")
 
 
 # -- pure helpers ------------------------------------------------------------------------
@@ -697,7 +707,9 @@ class TransferBench:
         return elapsed, struct.unpack("<q", ack)[0]
 
     # one size -------------------------------------------------------------------------
-    def run_size(self, tokens: int) -> SizeResult:
+    def size_run(self, tokens: int) -> SizeRun:
+        """Set up one request size: its block ids, the ranges a transport job moves, and a
+        closure per method. The rounds run on ``SizeRun.run_rounds``."""
         nblocks = blocks_for(tokens)
         src_list, dst_list = request_block_ids(
             nblocks, self.src_layout.num_blocks, self.dst_layout.num_blocks, self.cfg.seed + tokens
@@ -713,7 +725,6 @@ class TransferBench:
         nbytes = sum(n for _, _, n in ranges)
         # Whole blocks move: the byte count is blocks, not tokens.
         assert nbytes == nblocks * 2 * NUM_LAYERS * self.src_layout.block_bytes
-
         runs: dict[str, Callable[[], tuple[float, float | None]]] = {
             "memcpy_bulk": lambda: (self._memcpy_bulk(nbytes), None),
             "memcpy": lambda: (self._memcpy(ranges), None),
@@ -721,48 +732,88 @@ class TransferBench:
             "socket": lambda: (self._socket(ranges, nbytes, want_sum=False)[0], None),
             "tcp": lambda: self._transport("tcp", src_ids, dst_ids),
         }
-        for run in runs.values():  # warm-up: page faults, first connections, caches
-            run()
-        seconds: dict[str, list[float]] = {m: [] for m in METHODS}
-        waits: dict[str, list[float]] = {m: [] for m in METHODS}
+        return SizeRun(self, tokens, nblocks, src_ids, dst_ids, ranges, nbytes, plan_s, runs)
+
+
+class SizeRun:
+    """One request size's timed rounds, which may come in several visits (``run_transfer``
+    spreads a size's rounds over passes through all the sizes), then its check."""
+
+    def __init__(
+        self,
+        bench: TransferBench,
+        tokens: int,
+        nblocks: int,
+        src_ids: tuple[int, ...],
+        dst_ids: tuple[int, ...],
+        ranges: list[ByteRange],
+        nbytes: int,
+        plan_s: float,
+        runs: dict[str, Callable[[], tuple[float, float | None]]],
+    ) -> None:
+        self.bench, self.tokens, self.nblocks = bench, tokens, nblocks
+        self.src_ids, self.dst_ids, self.ranges = src_ids, dst_ids, ranges
+        self.nbytes, self.plan_s, self.runs = nbytes, plan_s, runs
+        self.seconds: dict[str, list[float]] = {m: [] for m in METHODS}
+        self.waits: dict[str, list[float]] = {m: [] for m in METHODS}
         # Every method once a round, so drift in machine load hits every method alike; in a
         # fresh order each round, so a disturbance that recurs with a period near a round's
         # length cannot stay on one method's slot for many rounds in a row.
-        for names in shuffled_rounds(list(runs), self.cfg.repeats, self.cfg.seed * 7919 + tokens):
-            for name in names:
-                elapsed, wait = runs[name]()
-                seconds[name].append(elapsed)
-                if wait is not None:
-                    waits[name].append(wait)
+        cfg = bench.cfg
+        self._orders = iter(shuffled_rounds(list(runs), cfg.repeats, cfg.seed * 7919 + tokens))
 
-        # Checked after the timed repeats: "memcpy" runs once more so the local destination
-        # holds its blocks (a round may end with "memcpy_bulk", which overwrites them); the
-        # bulk copy is checked on its own after.
-        self._memcpy(ranges)
-        want = block_sums(self.src, self.src_layout, src_ids)
-        socket_sum = self._socket(ranges, nbytes, want_sum=True)[1]
+    def run_rounds(self, count: int) -> None:
+        """One untimed warm-up call of each method (page faults, first connections, and the
+        caches the sizes run since the last visit left cold), then ``count`` timed rounds."""
+        for run in self.runs.values():
+            run()
+        for _ in range(count):
+            for name in next(self._orders):
+                elapsed, wait = self.runs[name]()
+                self.seconds[name].append(elapsed)
+                if wait is not None:
+                    self.waits[name].append(wait)
+
+    def result(self) -> SizeResult:
+        """Check every method's bytes at its destination, then the figures."""
+        bench, ranges, nbytes = self.bench, self.ranges, self.nbytes
+        src_ids, dst_ids = self.src_ids, self.dst_ids
+        # "memcpy" runs once more so the local destination holds its blocks (a round may
+        # end with "memcpy_bulk", which overwrites them); the bulk copy is checked after.
+        bench._memcpy(ranges)
+        want = block_sums(bench.src, bench.src_layout, src_ids)
+        socket_sum = bench._socket(ranges, nbytes, want_sum=True)[1]
         verified = {
-            "memcpy": block_sums(self.local_dst, self.dst_layout, dst_ids) == want,
-            "shm": self.peers["shm"].ask(("sums", dst_ids)) == want,
+            "memcpy": block_sums(bench.local_dst, bench.dst_layout, dst_ids) == want,
+            "shm": bench.peers["shm"].ask(("sums", dst_ids)) == want,
             "socket": socket_sum == sum(want),
-            "tcp": self.peers["tcp"].ask(("sums", dst_ids)) == want,
+            "tcp": bench.peers["tcp"].ask(("sums", dst_ids)) == want,
         }
-        self._memcpy_bulk(nbytes)
-        verified["memcpy_bulk"] = bool(self.local_dst[:nbytes].equal(self.src[:nbytes]))
+        bench._memcpy_bulk(nbytes)
+        verified["memcpy_bulk"] = bool(bench.local_dst[:nbytes].equal(bench.src[:nbytes]))
         failed = [m for m, ok in verified.items() if not ok]
         if failed:
-            raise RuntimeError(f"{tokens} tokens: wrong bytes at the destination of {failed}")
+            raise RuntimeError(f"{self.tokens} tokens: wrong bytes at the destination of {failed}")
         return SizeResult(
-            tokens=tokens,
+            tokens=self.tokens,
             nbytes=nbytes,
-            blocks=nblocks,
+            blocks=self.nblocks,
             ranges=len(ranges),
-            plan_s=plan_s,
+            plan_s=self.plan_s,
             methods={
-                m: MethodResult(tuple(seconds[m]), tuple(waits[m]) or None, verified[m])
+                m: MethodResult(tuple(self.seconds[m]), tuple(self.waits[m]) or None, verified[m])
                 for m in METHODS
             },
         )
+
+
+def pass_rounds(repeats: int, passes: int) -> list[int]:
+    """How many of a size's ``repeats`` rounds each of ``passes`` visits runs: as even as
+    whole rounds allow, the larger shares first; they sum to ``repeats``."""
+    if passes < 1 or repeats < passes:
+        raise ValueError(f"{repeats} rounds cannot fill {passes} passes")
+    share, extra = divmod(repeats, passes)
+    return [share + (1 if i < extra else 0) for i in range(passes)]
 
 
 def split_cores(pin: bool) -> tuple[set[int] | None, set[int] | None]:
@@ -785,12 +836,21 @@ def run_transfer(cfg: BenchConfig) -> list[SizeResult]:
     with pinned(initiator):  # the writers' threads start inside: they inherit it
         bench = TransferBench(cfg, peer_cpus=target)
         try:
+            runs = [bench.size_run(tokens) for tokens in cfg.sizes]
+            # Each size's rounds in ``passes`` visits, the sizes in turn: a disturbance of a
+            # second or two (longer than a small size's rounds take) then lands in one
+            # visit's share of any size's samples, not in all of them.
             results = []
-            for tokens in cfg.sizes:
-                res = bench.run_size(tokens)
-                rates = ", ".join(f"{m} {res.gb_per_s(m):.2f} GB/s" for m in METHODS)
-                _log(f"{tokens} tokens: {rates}")
-                results.append(res)
+            shares = pass_rounds(cfg.repeats, cfg.passes)
+            for i, count in enumerate(shares):
+                for run in runs:
+                    run.run_rounds(count)
+                    if i == len(shares) - 1:  # checked before another size's writes land
+                        res = run.result()
+                        rates = ", ".join(f"{m} {res.gb_per_s(m):.2f} GB/s" for m in METHODS)
+                        _log(f"{res.tokens} tokens: {rates}")
+                        results.append(res)
+                _log(f"pass {i + 1}/{len(shares)} done")
             return results
         finally:
             bench.close()
@@ -1072,6 +1132,10 @@ def run_hop(cfg: BenchConfig) -> HopResult:
 
 # -- the command line --------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench.transfer",
         description="KV transfer (shm, tcp) beside memcpy and a raw socket, and the per-token "
@@ -1081,6 +1145,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--sizes", type=int, nargs="+", help="request sizes in tokens (default: 128 … 4096)"
     )
     p.add_argument("--repeats", type=int, help="timed transfers per method and size (default: 100)")
+    p.add_argument(
+        "--passes",
+        type=int,
+        help="visits per size: each runs its share of the rounds, the sizes taking turns "
+        "(default: 5; 1 with --quick)",
+    )
     p.add_argument("--skip-hop", action="store_true", help="skip the serving-hop latency part")
     p.add_argument("--hop", action="store_true", help="run the hop even with --quick")
     p.add_argument("--hop-tokens", type=int, help="tokens per hop request (default: 64)")
@@ -1117,7 +1187,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--quick", action="store_true", help="128 and 256 tokens, 5 repeats, no hop (a smoke test)"
     )
-    return p.parse_args(argv)
+    return p
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -1132,6 +1202,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         sizes=tuple(pick("sizes")),
         repeats=pick("repeats"),
+        passes=min(pick("passes"), pick("repeats")) if args.passes is None else args.passes,
         hop=hop,
         hop_tokens=pick("hop_tokens"),
         hop_repeats=pick("hop_repeats"),
@@ -1146,8 +1217,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    cfg = config_from_args(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:  # a value no flag's type can check alone (passes > repeats)
+        parser.error(str(e))
     command = shlex.join(["python", "-m", "bench.transfer", *argv])
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     load_before = load_average()
@@ -1171,7 +1246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else "unpinned"
     )
     congestion = cfg.tcp_congestion or "the system's"
-    print(f"Throughput, GB/s at the median latency ({cfg.repeats} repeats, {placement}, "
+    print(f"Throughput, GB/s at the median latency ({cfg.repeats} repeats in {cfg.passes} "
+          f"passes, {placement}, "
           f"{congestion} congestion control on both TCP paths; "
           f"targets: shm ≥ {SHM_TARGET:.2f}× memcpy, tcp ≥ {TCP_TARGET:.2f}× socket):")  # fmt: skip
     print(throughput_table(sizes))

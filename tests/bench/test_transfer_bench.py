@@ -23,6 +23,7 @@ from bench.transfer import (
     hop_table,
     main,
     parse_args,
+    pass_rounds,
     per_token_gaps,
     request_block_ids,
     shuffled_rounds,
@@ -62,6 +63,31 @@ def test_each_round_runs_every_method_once_in_a_fresh_order() -> None:
     assert len({tuple(r) for r in rounds}) > 10
     assert all({r[slot] for r in rounds} == set(names) for slot in range(len(names)))
     assert shuffled_rounds(names, 50, seed=3) == rounds  # a seed replays its run
+
+
+def test_a_sizes_rounds_are_shared_out_over_its_passes() -> None:
+    assert pass_rounds(100, 5) == [20] * 5
+    assert pass_rounds(7, 3) == [3, 2, 2]
+    assert pass_rounds(5, 1) == [5]
+    assert sum(pass_rounds(101, 6)) == 101
+    for repeats, passes in ((3, 4), (5, 0)):
+        with pytest.raises(ValueError, match="cannot fill"):
+            pass_rounds(repeats, passes)
+    assert config_from_args(parse_args([])).passes == 5
+    assert config_from_args(parse_args(["--quick"])).passes == 1
+    assert config_from_args(parse_args(["--repeats", "3"])).passes == 3  # no more than rounds
+    assert config_from_args(parse_args(["--repeats", "9", "--passes", "2"])).passes == 2
+
+
+@pytest.mark.parametrize("argv", [["--passes", "9", "--repeats", "3"], ["--repeats", "0"],
+                                  ["--passes", "0"]])  # fmt: skip
+def test_values_that_cannot_run_are_usage_errors(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
 
 
 def test_per_token_gaps_skip_the_first_event_and_split_multi_token_events() -> None:
@@ -205,6 +231,19 @@ def test_quick_run_measures_every_method_at_every_size(tmp_path: Path) -> None:
         for name in ("shm", "tcp"):
             assert 0 < res["methods"][name]["wait_p50_s"] <= res["methods"][name]["p50_s"]
         assert res["shm_vs_memcpy"] > 0 and res["tcp_vs_socket"] > 0
+
+
+def test_rounds_in_several_passes_are_all_timed_and_every_destination_checked(
+    tmp_path: Path,
+) -> None:
+    # Two sizes whose destination blocks overlap in the pool: each is checked after its
+    # own last visit, before the other size writes there again.
+    data = _run(tmp_path, "--sizes", "128", "256", "--repeats", "4", "--passes", "2",
+                "--skip-hop", timeout=120)  # fmt: skip
+    assert data["config"]["passes"] == 2
+    for res in data["transfer"]:
+        for m in res["methods"].values():
+            assert m["verified"] is True and len(m["seconds"]) == 4
 
 
 def test_tiny_hop_streams_the_same_tokens_on_both_paths(tmp_path: Path) -> None:
