@@ -2,8 +2,9 @@
 
 A worker's engine thread computes for tens of milliseconds at a time. Pinned to a core of
 its own, it never shares that core with the event loop and the gRPC threads that carry
-its tokens out: those run on the process's other cores (``pdserve up --pin`` gives a
-worker process its core and the control cores, and the engine thread its core alone).
+its tokens out: those may run on the process's other cores (``pdserve up --pin
+--control-cpus`` gives a worker process its core plus the control cores no worker computes
+on, and the engine thread its core alone; ``services.up.worker_placement``).
 """
 
 from __future__ import annotations

@@ -46,8 +46,9 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
         help="pin the engine thread (and the torch threads it starts) to these cores (comma "
         "list). The event loop, gRPC and KV sender threads keep all the process's cores, so "
         "with more cores than these they run beside a step's compute instead of waiting "
-        "for the CPU (pdserve up --pin --control-cpus starts each worker on its core plus "
-        "the control cores, with this set to its core; default: not pinned)",
+        "for the CPU (pdserve up --pin --control-cpus sets this to the worker's core and "
+        "starts the worker on that core plus the control cores no worker computes on; "
+        "default: not pinned)",
     )
     g.add_argument(
         "--switch-interval-ms",
