@@ -34,7 +34,7 @@ from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, PrefillOutput, PrefillPlan
 from engine.output_processor import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.threads import name_current_thread, pin_current_thread
+from engine.threads import core_set, name_current_thread, pin_current_thread
 
 log = structlog.get_logger(__name__)
 
@@ -79,14 +79,11 @@ class AsyncEngine:
         cpus: frozenset[int] | set[int] | None = None,
     ) -> None:
         """``cpus``: the cores the engine thread (and the torch threads it starts) runs on;
-        None: wherever the process may run. ``ValueError`` for cores outside the process's."""
+        None: wherever the process may run. ``ValueError`` unless a non-empty set of core
+        numbers; cores the system refuses fail ``start``."""
         if delivery_wait_s < 0:
             raise ValueError(f"delivery_wait_s must be >= 0, got {delivery_wait_s}")
-        self.cpus = frozenset(cpus) if cpus is not None else None
-        if self.cpus is not None and (
-            not self.cpus or not all(type(c) is int and c >= 0 for c in self.cpus)
-        ):
-            raise ValueError(f"cpus must be a non-empty set of core numbers, got {cpus!r}")
+        self.cpus = core_set(cpus) if cpus is not None else None
         self.engine = engine
         self.prefill_token_budget = prefill_token_budget
         self.delivery_wait_s = delivery_wait_s

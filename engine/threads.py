@@ -18,12 +18,19 @@ _PR_SET_NAME = 15
 _NAME_MAX = 15  # bytes, without the NUL
 
 
-def check_cpus(cpus: Iterable[int]) -> frozenset[int]:
-    """``cpus`` as a set this process may run on; ``ValueError`` if empty or outside it."""
+def core_set(cpus: Iterable[int]) -> frozenset[int]:
+    """``cpus`` as a frozen set; ``ValueError`` unless it is a non-empty set of core numbers
+    (ints >= 0)."""
     wanted = frozenset(cpus)
+    if not wanted or not all(type(c) is int and c >= 0 for c in wanted):
+        raise ValueError(f"cpus must be a non-empty set of core numbers, got {cpus!r}")
+    return wanted
+
+
+def check_cpus(cpus: Iterable[int]) -> frozenset[int]:
+    """``core_set(cpus)``, and every core one the calling thread may run on now."""
+    wanted = core_set(cpus)
     allowed = os.sched_getaffinity(0)
-    if not wanted or not all(isinstance(c, int) and not isinstance(c, bool) for c in wanted):
-        raise ValueError(f"cpus must be a non-empty set of core numbers, got {sorted(wanted)}")
     if not wanted <= allowed:
         raise ValueError(f"cores {sorted(wanted)} are not within {sorted(allowed)}")
     return wanted

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from engine.threads import check_cpus
+
 
 def tcp_congestion(text: str) -> str:
     """argparse type of a flag naming a TCP congestion control: one this process may use,
@@ -21,8 +23,6 @@ def tcp_congestion(text: str) -> str:
 
 def cpu_list(text: str) -> set[int]:
     """argparse type of a comma list of cores (``"0,2"``), each one this process may run on."""
-    from engine.threads import check_cpus
-
     try:
         cores = [int(c) for c in text.split(",") if c.strip()]
     except ValueError:
