@@ -97,6 +97,7 @@ from bench._common import (
     write_json,
 )
 from services.common.config import tcp_congestion
+from services.up import worker_placement
 from transfer import ByteRange, KVLayout, MemoryRegionHandle, get_transport, plan_blocks
 from transfer.tcp_frames import set_congestion
 
@@ -1098,15 +1099,15 @@ def run_hop(cfg: BenchConfig) -> HopResult:
     try:
         worker = ["-m", "services.decode", "--role", "colocated", "--port", "0", "--threads",
                   "1", "--kv-cache-mib", str(HOP_KV_MIB), "--metrics-port", "0"]  # fmt: skip
-        # Laid out as `pdserve up --pin --control-cpus` lays out its worker: the process on
-        # both cores, its engine thread alone on the engine core.
-        pin = ["--engine-cpus", ",".join(map(str, sorted(engine)))] if engine else []
-        services["decode"] = Service(
-            [*worker, *pin], cpus=(client | engine) if client and engine else None
-        )
+        # Laid out by `pdserve up --pin --control-cpus`'s own rule: the engine thread alone on
+        # the engine core, the process also on the client's (a control core no engine uses).
+        plan = {"decode": min(engine)} if engine else {}
+        cpus, pin = worker_placement("decode", plan, client)
+        services["decode"] = Service([*worker, *pin], cpus=cpus)
         if cfg.hop_whole_pin:
             if engine:  # the layout before --engine-cpus: every thread on the engine core
-                services["decode-whole"] = Service(worker, cpus=engine)
+                cpus, pin = worker_placement("decode", plan, None)
+                services["decode-whole"] = Service([*worker, *pin], cpus=cpus)
             else:
                 errors[WHOLE_PIN_PATH] = "skipped (nothing is pinned: --no-hop-pin or 1 core)"
         if not cfg.gateway:

@@ -144,11 +144,13 @@ def launch(args: argparse.Namespace, stack: Stack) -> dict[str, str]:
     )
     plan = pin_plan(names, sorted(os.sched_getaffinity(0)), control) if args.pin else {}
 
+    placement = {name: worker_placement(name, plan, control) for name in names}
+
     def cpus(name: str) -> set[int] | None:
-        return worker_placement(name, plan, control)[0]
+        return placement[name][0]
 
     def pin(name: str) -> list[str]:
-        return worker_placement(name, plan, control)[1]
+        return placement[name][1]
 
     common = ["--host", args.host, "--port", "0", "--scheduler", sched.address,
               "--heartbeat-interval", "0.5"]  # fmt: skip
