@@ -95,34 +95,36 @@ def plan_blocks(
     Raises ``IncompatibleLayoutError`` when the layouts cannot exchange blocks and
     ``TransferError`` for unequal id lists or ids outside either pool.
     """
-    src_layout.check_compatible(dst_layout)
-    if len(src_block_ids) != len(dst_block_ids):
-        raise TransferError(
-            f"{len(src_block_ids)} source blocks but {len(dst_block_ids)} destination blocks"
-        )
-    _check_ids("source", src_block_ids, src_layout.num_blocks)
-    _check_ids("destination", dst_block_ids, dst_layout.num_blocks)
-
-    block_bytes = src_layout.block_bytes
-    runs: list[tuple[int, int, int]] = []  # (src_offset, dst_offset, bytes)
-    # A run ends where either side's next id is not the next block.
-    n = len(src_block_ids)
-    start = 0
-    for i in range(1, n + 1):
-        if (
-            i == n
-            or src_block_ids[i] != src_block_ids[i - 1] + 1
-            or dst_block_ids[i] != dst_block_ids[i - 1] + 1
-        ):
-            runs.append(
-                (
-                    src_block_ids[start] * block_bytes,
-                    dst_block_ids[start] * block_bytes,
-                    (i - start) * block_bytes,
-                )
-            )
-            start = i
-    return BlockPlan(src_layout, dst_layout, tuple(runs))
+    if src_layout is not dst_layout:
+        src_layout.check_compatible(dst_layout)
+    count = len(src_block_ids)
+    if count != len(dst_block_ids):
+        raise TransferError(f"{count} source blocks but {len(dst_block_ids)} destination blocks")
+    if not count:
+        return BlockPlan(src_layout, dst_layout, ())
+    if set(map(type, src_block_ids)) != _INT or set(map(type, dst_block_ids)) != _INT:
+        _check_ids("source", src_block_ids, src_layout.num_blocks)  # raises, naming the id
+        _check_ids("destination", dst_block_ids, dst_layout.num_blocks)
+    # Runs in block ids: a run ends where either side's next id is not the next block.
+    # Every id lies inside its run's first and last, so checking those bounds every id.
+    blocks: list[tuple[int, int, int]] = []
+    s0, d0, n = src_block_ids[0], dst_block_ids[0], 0
+    for s, d in zip(src_block_ids, dst_block_ids, strict=True):
+        if s == s0 + n and d == d0 + n:
+            n += 1
+        else:
+            blocks.append((s0, d0, n))
+            s0, d0, n = s, d, 1
+    blocks.append((s0, d0, n))
+    src_limit, dst_limit = src_layout.num_blocks, dst_layout.num_blocks
+    for s, d, n in blocks:
+        if s < 0 or d < 0 or s + n > src_limit or d + n > dst_limit:
+            _check_ids("source", src_block_ids, src_limit)  # raises, naming the id
+            _check_ids("destination", dst_block_ids, dst_limit)
+    size = src_layout.block_bytes
+    return BlockPlan(
+        src_layout, dst_layout, tuple([(s * size, d * size, n * size) for s, d, n in blocks])
+    )
 
 
 def plan_ranges(

@@ -21,7 +21,6 @@ finisher) -> ended (``_end`` ran) -> confirmed / failed.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import math
 import queue
@@ -34,7 +33,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from transfer.base import RegionWriter, StatsCounter, TransferJob, TransferResult, TransferStats
+from transfer.base import RegionWriter, TransferJob, TransferResult, TransferStats
 from transfer.errors import TransferError, TransferTimeout
 from transfer.handle import KVLayout, MemoryRegionHandle
 from transfer.plan import BlockPlan, ByteRange
@@ -45,19 +44,29 @@ from transfer.plan import BlockPlan, ByteRange
 # is near) stay with the caller, and finish() moves them without waking a thread.
 WAKE_GAP_S = 50e-6
 
+_NUMBER = (int, float)
+# The clock writes are stamped with (WAKE_GAP_S apart or not); a module global, so a test
+# can drive it.
+_monotonic = time.monotonic
+
 
 class QueuedJob(TransferJob):
     """State of one job; the writer's lock guards the fields other threads change.
 
-    Fields that start at a constant are class attributes until first assigned: every
-    request makes a job, and setting a dozen attributes costs more than it seems.
+    Every request makes a job and runs its few calls with cold caches (the previous
+    request's copy evicted them): fields that start at a constant are class attributes until
+    first assigned, the layers written are a bit mask, not a set, and the job has no event
+    of its own (``finish`` makes a lock to wait on only when the job is not confirmed by the
+    time it would wait).
     """
 
     error: TransferError | None = None
-    terminal = False
+    terminal = False  # confirmed or failed (set once, under the writer's lock)
     finish_called = False
     bytes_queued = 0
     bytes_moved = 0  # written by the one thread moving the job's bytes
+    bytes_counted = 0  # of bytes_moved, what the writer's stats hold (under its lock)
+    layer_mask = 0  # bit i: layer i was written
     first_write_at: float | None = None
     last_write_at: float | None = None
     completed_at: float | None = None
@@ -65,21 +74,64 @@ class QueuedJob(TransferJob):
     scheduled = False  # on the sender's FIFO
     moving = False  # the sender is moving a batch of this job now
     claimed = False  # finish() moves the rest; the sender leaves the job alone
+    waiter: threading.Lock | None = None  # held until the job turns terminal; finish waits
+    # The planned write that ``write_blocks`` may extend by the next layer without taking
+    # the writer's lock: set (under the lock) when a planned write is queued while the job
+    # is not on the sender's FIFO, so no other thread can take that write; cleared (under
+    # the lock) when the job is scheduled, finished or failed. Only the thread writing the
+    # job's layers reads it.
+    open_tail: Write | None = None
 
     def __init__(self, writer: QueuedWriter, request_id: str, deadline: float) -> None:
         self.request_id = request_id
         self.deadline = deadline
         self.handle = writer.handle
         self._writer = writer
-        self.done = _Latch()
-        self.layers: set[int] = set()
         self.begun_at = time.monotonic()
-        self.unmoved: collections.deque[Write] = collections.deque()
+        self.unmoved: list[Write] = []
 
     def write(self, layer: int, src: torch.Tensor, ranges: Sequence[ByteRange]) -> None:
         checked = self._writer._check_ranges(layer, src, ranges)
         nbytes = sum(n for _, _, n in checked)
         self._writer._enqueue(self, layer, src, nbytes, checked, None)
+
+    def write_blocks(
+        self,
+        layer: int,
+        src: torch.Tensor,
+        src_layout: KVLayout,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+    ) -> None:
+        # The next layer of the same plan and pool, back to back (a layer's compute takes
+        # longer than WAKE_GAP_S, so this is a prefill that computed several layers before
+        # writing them, or a benchmark): extend the open write. What ``_enqueue`` would do,
+        # without its lock (see ``open_tail``): this is most of a small request's writes.
+        tail = self.open_tail
+        cached = self._plan_cache
+        if (
+            tail is not None
+            and cached is not None
+            and layer.__class__ is int
+            and layer == tail.stop
+            and layer < src_layout.num_layers
+            and cached.src_arg is src_block_ids
+            and cached.dst_arg is dst_block_ids
+            and cached.src is src
+            and cached.src_layout is src_layout
+            and tail.plan is cached.plan
+            and tail.src is src
+        ):
+            now = _monotonic()
+            if now - self.last_write_at < WAKE_GAP_S and now <= self.deadline:  # type: ignore[operator]
+                nbytes = cached.plan.layer_bytes
+                tail.stop = layer + 1
+                tail.nbytes += nbytes
+                self.bytes_queued += nbytes
+                self.layer_mask |= 1 << layer
+                self.last_write_at = now
+                return
+        super().write_blocks(layer, src, src_layout, src_block_ids, dst_block_ids)
 
     def _source_fits(self, src: torch.Tensor, src_layout: KVLayout) -> bool:
         return self._writer._source_fits(src, src_layout)
@@ -96,33 +148,6 @@ class QueuedJob(TransferJob):
 
     def __repr__(self) -> str:
         return f"QueuedJob({self.request_id!r}, region={self.handle.region_id})"
-
-
-class _Latch:
-    """A one-shot event: a lock held until ``set`` (a ``threading.Event`` costs ~10x more to
-    make, and every request makes one)."""
-
-    __slots__ = ("_lock", "_set")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lock.acquire()
-        self._set = False
-
-    def set(self) -> None:
-        """Called once (by the job's first outcome)."""
-        if not self._set:
-            self._set = True
-            self._lock.release()
-
-    def wait(self, timeout: float) -> bool:
-        """True once set; False if ``timeout`` seconds passed first."""
-        if self._set:
-            return True
-        if self._lock.acquire(timeout=timeout):
-            self._lock.release()
-            return True
-        return self._set
 
 
 class Write:
@@ -201,7 +226,12 @@ class QueuedWriter(RegionWriter):
         self._idle = threading.Condition(self._lock)  # a job's sender batch ended
         self._queue: queue.SimpleQueue[QueuedJob | _FailedNotice | None] = queue.SimpleQueue()
         self._active: dict[str, QueuedJob] = {}
-        self._counter = StatsCounter()
+        # The stats, under the lock. A job's moved bytes join them at points that hold the
+        # lock anyway (a sender batch's end, the job's outcome), not once per copy.
+        self._bytes = 0
+        self._seconds = 0.0
+        self._jobs = 0
+        self._failures = 0
         self._closed = False
         self._thread: threading.Thread | None = None
         self._fits: tuple[object, KVLayout, bool] | None = None
@@ -246,14 +276,17 @@ class QueuedWriter(RegionWriter):
         self._thread.start()
 
     def begin(self, request_id: str, *, deadline: float) -> TransferJob:
-        if not isinstance(request_id, str) or not request_id:
-            raise TransferError(f"request_id must be a non-empty string, got {request_id!r}")
-        if (
-            not isinstance(deadline, int | float)
-            or isinstance(deadline, bool)
-            or math.isnan(deadline)
-        ):
-            raise TransferError(f"deadline must be time.monotonic() seconds, got {deadline!r}")
+        # Exact-type checks first: the common case costs two comparisons (NaN != NaN).
+        if request_id.__class__ is not str or not request_id:
+            if not isinstance(request_id, str) or not request_id:
+                raise TransferError(f"request_id must be a non-empty string, got {request_id!r}")
+        if deadline.__class__ is not float or deadline != deadline:
+            if (
+                not isinstance(deadline, _NUMBER)
+                or isinstance(deadline, bool)
+                or math.isnan(deadline)
+            ):
+                raise TransferError(f"deadline must be time.monotonic() seconds, got {deadline!r}")
         if self._closed:
             raise TransferError(f"writer to region {self.handle.region_id} is closed")
         self._check_alive()
@@ -271,7 +304,8 @@ class QueuedWriter(RegionWriter):
         return job
 
     def stats(self) -> TransferStats:
-        return self._counter.snapshot()
+        with self._lock:
+            return TransferStats(self._bytes, self._seconds, self._jobs, self._failures)
 
     @property
     def closed(self) -> bool:
@@ -363,7 +397,7 @@ class QueuedWriter(RegionWriter):
         """Queue a write whose ranges are known to lie inside its source and the region:
         explicit ``ranges``, or ``plan``'s ranges of ``layer``. A planned write of the layer
         after the job's last unmoved one, same plan and source, extends that one."""
-        now = time.monotonic()
+        now = _monotonic()
         if now > job.deadline:
             self._fail(job, self._timeout(job))
         with self._lock:
@@ -374,7 +408,7 @@ class QueuedWriter(RegionWriter):
             if self._closed:
                 raise TransferError(f"writer to region {self.handle.region_id} is closed")
             job.bytes_queued += nbytes
-            job.layers.add(layer)
+            job.layer_mask |= 1 << layer
             last_at = job.last_write_at
             job.last_write_at = now
             unmoved = job.unmoved
@@ -397,16 +431,15 @@ class QueuedWriter(RegionWriter):
                 # Under the lock: a concurrent close() must see the job queued before its
                 # sentinel.
                 self._queue.put(job)
+            # Not scheduled: the job is not on the FIFO and the sender holds none of its
+            # unmoved writes (it took them under this lock), so the caller may extend this one.
+            job.open_tail = unmoved[-1] if plan is not None and not job.scheduled else None
 
     def _finish(self, job: QueuedJob) -> TransferResult:
         started = time.monotonic()
-        with self._lock:
-            if job.finish_called:
-                raise TransferError(f"finish() already called for {job.request_id!r}")
-            job.finish_called = True
         self._finish_here(job)
-        if not job.done.wait(max(0.0, job.deadline - time.monotonic())):
-            self._fail(job, self._timeout(job))
+        if not job.terminal:  # set once, never unset: no lock needed to see it set
+            self._await_outcome(job)
         waited = time.monotonic() - started
         if job.error is not None:
             raise job.error
@@ -415,7 +448,7 @@ class QueuedWriter(RegionWriter):
         return TransferResult(
             bytes=job.bytes_moved,
             seconds=completed - first,
-            layers=len(job.layers),
+            layers=job.layer_mask.bit_count(),
             wait_seconds=waited,
         )
 
@@ -423,14 +456,18 @@ class QueuedWriter(RegionWriter):
         """On the thread calling finish(): move the writes the sender has not started, then
         end the job. Waits (deadlined) for the sender's batch of this job in flight first."""
         with self._lock:
+            if job.finish_called:
+                raise TransferError(f"finish() already called for {job.request_id!r}")
+            job.finish_called = True
+            job.open_tail = None
             job.claimed = True  # from now on the sender leaves this job alone
             while job.moving and not job.terminal:
                 left = job.deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._idle.wait(left)
-            writes = list(job.unmoved)
-            job.unmoved.clear()
+            writes = job.unmoved
+            job.unmoved = []
         try:
             if writes:
                 self._check_live(job)
@@ -444,6 +481,21 @@ class QueuedWriter(RegionWriter):
             self._fail(job, exc)
         except Exception as exc:  # an OS or library error fails the job, as on the sender
             self._fail(job, TransferError(f"transfer of {job.request_id!r} failed: {exc!r}"))
+        # This thread moved the job's last bytes. An outcome that came first (a tcp ack read
+        # before the last frame was counted, a failure mid-copy) left some out of the stats.
+        if job.bytes_counted != job.bytes_moved:
+            with self._lock:
+                self._count_moved(job)
+
+    def _await_outcome(self, job: QueuedJob) -> None:
+        """Block until ``job`` is confirmed or failed; fail it at its deadline."""
+        with self._lock:
+            if job.terminal:
+                return
+            waiter = job.waiter = threading.Lock()
+            waiter.acquire()
+        if not waiter.acquire(timeout=max(0.0, job.deadline - time.monotonic())):
+            self._fail(job, self._timeout(job))
 
     def _check_live(self, job: QueuedJob) -> None:
         if job.terminal:
@@ -461,7 +513,11 @@ class QueuedWriter(RegionWriter):
 
     def _moved(self, job: QueuedJob, count: int) -> None:
         job.bytes_moved += count
-        self._counter.add_bytes(count)
+
+    def _count_moved(self, job: QueuedJob) -> None:
+        """Add ``job``'s bytes moved since the last call to the stats (lock held)."""
+        self._bytes += job.bytes_moved - job.bytes_counted
+        job.bytes_counted = job.bytes_moved
 
     def _complete(self, job: QueuedJob) -> None:
         with self._lock:
@@ -472,8 +528,11 @@ class QueuedWriter(RegionWriter):
             if self._active.get(job.request_id) is job:
                 del self._active[job.request_id]
             first = job.first_write_at if job.first_write_at is not None else job.begun_at
-            self._counter.add_job(job.completed_at - first)
-        job.done.set()
+            self._jobs += 1
+            self._seconds += job.completed_at - first
+            self._count_moved(job)
+            if job.waiter is not None:
+                job.waiter.release()
 
     def _fail(self, job: QueuedJob, error: TransferError, aborted: bool = False) -> None:
         with self._lock:
@@ -481,15 +540,18 @@ class QueuedWriter(RegionWriter):
                 return
             job.terminal = True
             job.error = error
+            job.open_tail = None
             job.unmoved.clear()
             if self._active.get(job.request_id) is job:
                 del self._active[job.request_id]
             if not aborted:
-                self._counter.add_failure()
+                self._failures += 1
+            self._count_moved(job)
             if not self._closed and job.transport_state is not None:
                 self._queue.put(_FailedNotice(job))  # the target may hold state for it
             self._idle.notify_all()
-        job.done.set()
+            if job.waiter is not None:
+                job.waiter.release()
 
     def _run(self) -> None:
         while True:
@@ -506,8 +568,8 @@ class QueuedWriter(RegionWriter):
                 job.scheduled = False
                 if job.claimed or job.terminal or not job.unmoved:
                     continue
-                writes = list(job.unmoved)
-                job.unmoved.clear()
+                writes = job.unmoved
+                job.unmoved = []
                 job.moving = True
             try:
                 self._check_live(job)
@@ -521,6 +583,7 @@ class QueuedWriter(RegionWriter):
             finally:
                 with self._lock:
                     job.moving = False
+                    self._count_moved(job)
                     if job.claimed:
                         self._idle.notify_all()
 

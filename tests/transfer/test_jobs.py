@@ -205,3 +205,94 @@ def test_consecutive_layers_of_one_plan_queue_as_one_write(
     before = pattern(DST_LAYOUT.total_bytes, DST_SEED).view_as(dst_blocks)
     dst_blocks[1:, :, 11] = before[1:, :, 11]  # block 7 -> 11 went in layer 0 only
     assert torch.equal(region.tensor, want)
+
+
+class _Clock:
+    """A monotonic clock the test advances by hand (the clock writes are stamped with)."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    import transfer.sender
+
+    fake = _Clock()
+    monkeypatch.setattr(transfer.sender, "_monotonic", fake)
+    return fake
+
+
+def test_back_to_back_writes_never_extend_a_write_the_sender_took(
+    pair: tuple[KVRegion, RegionWriter], clock: _Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Back-to-back writes extend the open write without the writer's lock; once the sender
+    was handed the job, the next write must not touch what it took, however soon it comes."""
+    import threading
+
+    region, writer = pair
+    src = pattern(SRC_LAYOUT.total_bytes, SRC_SEED)
+    ids = (tuple(SRC_IDS), tuple(DST_IDS))
+    entered, release = threading.Event(), threading.Event()
+    taken: list[tuple[object, int, int]] = []  # (write, layer, stop) as the sender got them
+    real = writer._move  # type: ignore[attr-defined]
+
+    def held(job: object, writes: list) -> None:
+        if threading.current_thread() is threading.main_thread():
+            real(job, writes)  # finish() moving the rest (a transport may move here too)
+            return
+        taken.extend((w, w.layer, w.stop) for w in writes)
+        entered.set()
+        assert release.wait(10)
+        real(job, writes)
+
+    monkeypatch.setattr(writer, "_move", held)
+    job = writer.begin("handed", deadline=time.monotonic() + 30)
+    job.write_blocks(0, src, SRC_LAYOUT, *ids)
+    clock.advance(0.01)  # the next layer computed: this write hands layers 0-1 to the sender
+    job.write_blocks(1, src, SRC_LAYOUT, *ids)
+    assert entered.wait(10)
+    clock.advance(1e-6)  # back to back with the last write
+    job.write_blocks(2, src, SRC_LAYOUT, *ids)
+    release.set()
+    job.write_blocks(3, src, SRC_LAYOUT, *ids)
+    result = job.finish()
+    assert [(layer, stop) for _, layer, stop in taken] == [(0, 2)]
+    assert [(w.layer, w.stop) for w, _, _ in taken] == [(0, 2)]  # unchanged after it took it
+    assert result.layers == 4
+    assert torch.equal(region.tensor, _want([0, 1, 2, 3]))
+
+
+@pytest.mark.parametrize("end", ["finish", "abort", "close", "deadline"])
+def test_a_write_back_to_back_after_the_job_ended_is_refused(
+    pair: tuple[KVRegion, RegionWriter], clock: _Clock, end: str
+) -> None:
+    _, writer = pair
+    src = pattern(SRC_LAYOUT.total_bytes, SRC_SEED)
+    ids = (tuple(SRC_IDS), tuple(DST_IDS))
+    job = writer.begin("ended", deadline=clock.now + (30e-6 if end == "deadline" else 30))
+    job.write_blocks(0, src, SRC_LAYOUT, *ids)
+    clock.advance(1e-6)
+    job.write_blocks(1, src, SRC_LAYOUT, *ids)  # extends the open write
+    if end == "finish":
+        job = writer.begin("ended-f", deadline=time.monotonic() + 30)
+        job.write_blocks(0, src, SRC_LAYOUT, *ids)
+        job.finish()
+        error = "already finished"
+    elif end == "abort":
+        job.abort()
+        error = "aborted"
+    elif end == "close":
+        writer.close()
+        error = "closed"
+    else:
+        error = "missed its deadline"
+    clock.advance(40e-6)  # under WAKE_GAP_S since the last write; past the short deadline
+    with pytest.raises(TransferError, match=error):
+        job.write_blocks(1 if end == "finish" else 2, src, SRC_LAYOUT, *ids)

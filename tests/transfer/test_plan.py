@@ -86,6 +86,11 @@ def test_incompatible_layouts_are_refused(change: dict) -> None:
         ([16], [0], 0, "source block id 16 outside"),
         ([0], [10], 0, "destination block id 10 outside"),
         ([0], [-1], 0, "destination block id -1 outside"),
+        # Inside a run of consecutive ids, on either side, at either end of it.
+        ([13, 14, 15, 16], [0, 1, 2, 3], 0, "source block id 16 outside"),
+        ([0, 1, 2], [-1, 0, 1], 0, "destination block id -1 outside"),
+        ([0, 1], [True, 2], 0, "destination block id True is not an int"),
+        ([0, 1.0], [1, 2], 0, "source block id 1.0 is not an int"),
         ([0], [0], 4, "layer 4 outside"),
         ([0], [0], -1, "layer -1 outside"),
     ],

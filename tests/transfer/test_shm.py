@@ -139,6 +139,34 @@ def test_deadline_shorter_than_the_copy_times_out_and_drops_the_rest() -> None:
         assert fresh.finish().bytes == 100
 
 
+def test_stats_count_exactly_the_bytes_that_landed_when_an_abort_stops_finish(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with ShmTransport() as transport:
+        region = transport.register(BIG)
+        writer = transport.connect(region.handle)
+        src = torch.ones(BIG.total_bytes, dtype=torch.uint8)
+        blocks = list(range(BIG.num_blocks))
+        job = writer.begin("stopped", deadline=time.monotonic() + 30)
+        for layer in range(BIG.num_layers):
+            job.write_blocks(layer, src, BIG, blocks, blocks)
+        checks = []
+        real = writer._stop_copying
+
+        def abort_after_the_first_layer(job_: object, moving: int) -> bool:
+            checks.append(moving)
+            if len(checks) == 2:  # as if another thread aborted between two copies
+                job.abort()
+            return real(job_, moving)
+
+        monkeypatch.setattr(writer, "_stop_copying", abort_after_the_first_layer)
+        with pytest.raises(TransferError, match="aborted"):
+            job.finish()
+        landed = int(region.tensor.count_nonzero())
+        assert 0 < landed < BIG.total_bytes
+        assert writer.stats().bytes == landed
+
+
 def test_abort_drops_queued_writes_and_is_not_a_failure() -> None:
     with ShmTransport() as transport:
         region = transport.register(BIG)
