@@ -57,7 +57,10 @@ class BlockPlan:
         self.runs = runs
         self.src_row = src_layout.num_blocks * src_layout.block_bytes
         self.dst_row = dst_layout.num_blocks * dst_layout.block_bytes
-        self.layer_bytes = 2 * sum([n for _, _, n in runs])
+        run_bytes = 0
+        for run in runs:  # a loop, not a comprehension: no function call, on every request
+            run_bytes += run[2]
+        self.layer_bytes = 2 * run_bytes
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, BlockPlan):
@@ -117,14 +120,14 @@ def plan_blocks(
             s0, d0, n = s, d, 1
     blocks.append((s0, d0, n))
     src_limit, dst_limit = src_layout.num_blocks, dst_layout.num_blocks
+    size = src_layout.block_bytes
+    runs: list[tuple[int, int, int]] = []
     for s, d, n in blocks:
         if s < 0 or d < 0 or s + n > src_limit or d + n > dst_limit:
             _check_ids("source", src_block_ids, src_limit)  # raises, naming the id
             _check_ids("destination", dst_block_ids, dst_limit)
-    size = src_layout.block_bytes
-    return BlockPlan(
-        src_layout, dst_layout, tuple([(s * size, d * size, n * size) for s, d, n in blocks])
-    )
+        runs.append((s * size, d * size, n * size))
+    return BlockPlan(src_layout, dst_layout, tuple(runs))
 
 
 def plan_ranges(

@@ -286,16 +286,19 @@ class ShmWriter(QueuedWriter):
         start: int,
         stop: int,
     ) -> None:
-        """Copy ``plan``'s runs of layers ``[start, stop)``, about ``_COPY_CHUNK`` bytes a
-        call (whole layers), checking for an abort or the deadline between calls."""
+        """Copy ``plan``'s runs of layers ``[start, stop)``, at most about ``_COPY_CHUNK``
+        bytes a call (whole layers), checking for an abort or the deadline before the first
+        call and then every ``_COPY_CHUNK`` bytes (not between a small request's runs)."""
         src_rows, dst_rows = rows
-        moved = 0
+        moved, check_at = 0, 0
         try:
             for s, d, n in plan.runs:
                 per_call = max(1, _COPY_CHUNK // (2 * n))
                 for a in range(start, stop, per_call):
-                    if self._stop_copying(job, moved):
-                        return
+                    if moved >= check_at:
+                        if self._stop_copying(job, moved):
+                            return
+                        check_at = moved + _COPY_CHUNK
                     b = min(stop, a + per_call)
                     np.copyto(dst_rows[a:b, :, d : d + n], src_rows[a:b, :, s : s + n])
                     moved += (b - a) * 2 * n
