@@ -11,9 +11,12 @@ over, so the calling thread takes the writes the sender has not started, moves t
 (``_move_here``; after the sender's batch in flight, if any: one thread at a time moves a
 job's bytes, in order) and runs ``_end``. The transport confirms a job with ``_complete``
 (in ``_end``, or later from its own thread: the tcp ack reader) or fails it with ``_fail``
-(from any thread; the first outcome wins); ``finish`` waits on the job's event until its
-deadline. When ``finish`` follows the writes at once (a prefill that outran the transfer),
-the caller moves everything and no thread hand-off is on the request's path.
+(from any thread; the first outcome wins); ``finish`` returns at once if the outcome is in,
+else waits for it (on a lock it makes then, which the outcome releases) until the deadline.
+When ``finish`` follows the writes at once (a prefill that outran the transfer), the caller
+moves everything and no thread hand-off is on the request's path; writes of consecutive
+layers that come back to back extend one queued write, without the writer's lock while the
+sender holds none of the job's writes (``QueuedJob.open_tail``).
 
 Lifecycle of one job: begun -> writes unmoved (on the job's list) -> moving (sender or
 finisher) -> ended (``_end`` ran) -> confirmed / failed.
