@@ -109,7 +109,8 @@ def plan_blocks(
         _check_ids("source", src_block_ids, src_layout.num_blocks)  # raises, naming the id
         _check_ids("destination", dst_block_ids, dst_layout.num_blocks)
     # Runs in block ids: a run ends where either side's next id is not the next block.
-    # Every id lies inside its run's first and last, so checking those bounds every id.
+    # Every id lies between its run's first and last, so checking a run's bounds checks
+    # every id in it.
     blocks: list[tuple[int, int, int]] = []
     s0, d0, n = src_block_ids[0], dst_block_ids[0], 0
     for s, d in zip(src_block_ids, dst_block_ids, strict=True):

@@ -78,7 +78,7 @@ class QueuedJob(TransferJob):
     moving = False  # the sender is moving a batch of this job now
     claimed = False  # finish() moves the rest; the sender leaves the job alone
     waiter: threading.Lock | None = None  # held until the job turns terminal; finish waits
-    # The planned write that ``write_blocks`` may extend by the next layer without taking
+    # The planned write that ``_write_planned`` may extend by the next layer without taking
     # the writer's lock: set (under the lock) when a planned write is queued while the job
     # is not on the sender's FIFO, so no other thread can take that write; cleared (under
     # the lock) when the job is scheduled, finished or failed. Only the thread writing the
@@ -98,49 +98,26 @@ class QueuedJob(TransferJob):
         nbytes = sum(n for _, _, n in checked)
         self._writer._enqueue(self, layer, src, nbytes, checked, None)
 
-    def write_blocks(
-        self,
-        layer: int,
-        src: torch.Tensor,
-        src_layout: KVLayout,
-        src_block_ids: Sequence[int],
-        dst_block_ids: Sequence[int],
-    ) -> None:
-        # The next layer of the same plan and pool, back to back (a layer's compute takes
-        # longer than WAKE_GAP_S, so this is a prefill that computed several layers before
-        # writing them, or a benchmark): extend the open write. What ``_enqueue`` would do,
-        # without its lock (see ``open_tail``): this is most of a small request's writes.
+    def _source_fits(self, src: torch.Tensor, src_layout: KVLayout) -> bool:
+        return self._writer._source_fits(src, src_layout)
+
+    def _write_planned(self, layer: int, src: torch.Tensor, plan: BlockPlan) -> None:
+        # ``write_blocks`` vouches for the plan's ranges of this layer. The next layer of the
+        # open write, back to back (a layer's compute takes longer than WAKE_GAP_S, so this
+        # is a prefill that computed several layers before writing them, or a benchmark):
+        # extend it as ``_enqueue`` would, without its lock (see ``open_tail``). This is
+        # most of a small request's writes.
         tail = self.open_tail
-        cached = self._plan_cache
-        if (
-            tail is not None
-            and cached is not None
-            and layer.__class__ is int
-            and layer == tail.stop
-            and layer < src_layout.num_layers
-            and cached.src_arg is src_block_ids
-            and cached.dst_arg is dst_block_ids
-            and cached.src is src
-            and cached.src_layout is src_layout
-            and tail.plan is cached.plan
-            and tail.src is src
-        ):
+        if tail is not None and layer == tail.stop and tail.plan is plan and tail.src is src:
             now = _monotonic()
             if now - self.last_write_at < WAKE_GAP_S and now <= self.deadline:  # type: ignore[operator]
-                nbytes = cached.plan.layer_bytes
+                nbytes = plan.layer_bytes
                 tail.stop = layer + 1
                 tail.nbytes += nbytes
                 self.bytes_queued += nbytes
                 self.layer_mask |= 1 << layer
                 self.last_write_at = now
                 return
-        super().write_blocks(layer, src, src_layout, src_block_ids, dst_block_ids)
-
-    def _source_fits(self, src: torch.Tensor, src_layout: KVLayout) -> bool:
-        return self._writer._source_fits(src, src_layout)
-
-    def _write_planned(self, layer: int, src: torch.Tensor, plan: BlockPlan) -> None:
-        # ``write_blocks`` vouches for the plan's ranges of this layer.
         self._writer._enqueue(self, layer, src, plan.layer_bytes, None, plan)
 
     def finish(self) -> TransferResult:
