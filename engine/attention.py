@@ -107,9 +107,12 @@ def decode_attention(
     batch: DecodeBatch,
     scale: float,
     workspace: Workspace | None = None,
+    *,
+    kernel: bool = True,
 ) -> torch.Tensor:
-    """Decode attention: the CPU kernel where it applies, else the torch reference."""
-    if q.dtype == torch.float32 and q.device.type == "cpu" and cpu_kernel_available():
+    """Decode attention: the CPU kernel where it applies (and ``kernel``), else the torch
+    reference."""
+    if kernel and q.dtype == torch.float32 and q.device.type == "cpu" and cpu_kernel_available():
         return decode_attention_cpu(
             q.contiguous(), k_pool, v_pool, batch.block_tables, batch.context_lens, scale
         )

@@ -52,6 +52,7 @@ class EngineConfig:
     chunked_prefill: bool = False
     enable_prefix_caching: bool = True
     num_threads: int | None = None
+    cpu_kernels: bool = True  # False: the torch reference only (no packed linears, no C++)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -112,7 +113,7 @@ class LLMEngine:
         self.config = config
         self.model_config = ckpt.config
         self.tokenizer = tokenizer or Tokenizer.from_path(ckpt.path)
-        self.model = LlamaModel(ckpt.config, ckpt.tensors)
+        self.model = LlamaModel(ckpt.config, ckpt.tensors, cpu_kernels=config.cpu_kernels)
         self.max_model_len = min(
             config.max_model_len or ckpt.config.max_position_embeddings,
             ckpt.config.max_position_embeddings,

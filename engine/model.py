@@ -26,33 +26,42 @@ from kernels.linear import PackedLinear
 class _Layer:
     __slots__ = ("attn_norm", "down", "gate_up", "mlp_norm", "o", "qkv")
 
-    def __init__(self, t: dict[str, torch.Tensor], i: int) -> None:
+    def __init__(self, t: dict[str, torch.Tensor], i: int, pack: bool | None) -> None:
         p = f"model.layers.{i}."
         self.attn_norm = t[p + "input_layernorm.weight"]
         self.mlp_norm = t[p + "post_attention_layernorm.weight"]
         self.qkv = PackedLinear(
-            torch.cat([t[p + f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v")], dim=0)
+            torch.cat([t[p + f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v")], dim=0),
+            pack=pack,
         )
-        self.o = PackedLinear(t[p + "self_attn.o_proj.weight"])
+        self.o = PackedLinear(t[p + "self_attn.o_proj.weight"], pack=pack)
         self.gate_up = PackedLinear(
-            torch.cat([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]], dim=0)
+            torch.cat([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]], dim=0),
+            pack=pack,
         )
-        self.down = PackedLinear(t[p + "mlp.down_proj.weight"])
+        self.down = PackedLinear(t[p + "mlp.down_proj.weight"], pack=pack)
 
 
 class LlamaModel:
-    """Inference-only Llama decoder. Not thread-safe: one engine loop drives it."""
+    """Inference-only Llama decoder. Not thread-safe: one engine loop drives it.
 
-    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+    ``cpu_kernels=False`` keeps to the torch reference: plain ``F.linear`` and the gathered
+    attention, never the packed oneDNN weights or the C++ attention kernel."""
+
+    def __init__(
+        self, config: ModelConfig, tensors: dict[str, torch.Tensor], *, cpu_kernels: bool = True
+    ) -> None:
         self.config = config
+        self.cpu_kernels = cpu_kernels
+        pack = None if cpu_kernels else False  # None: PackedLinear packs where it can
         self.dtype = tensors["model.embed_tokens.weight"].dtype
         self.embed = tensors["model.embed_tokens.weight"]
         self.norm = tensors["model.norm.weight"]
         # Tied heads keep the dense embedding for lookups; the head gets its own packed copy.
         self.lm_head = PackedLinear(
-            self.embed if config.tie_word_embeddings else tensors["lm_head.weight"]
+            self.embed if config.tie_word_embeddings else tensors["lm_head.weight"], pack=pack
         )
-        self.layers = [_Layer(tensors, i) for i in range(config.num_layers)]
+        self.layers = [_Layer(tensors, i, pack) for i in range(config.num_layers)]
         self.rope = RotaryEmbedding(config, self.dtype)
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.eps = config.rms_norm_eps
@@ -118,7 +127,15 @@ class LlamaModel:
         if batch.decode is not None:
             d = batch.decode
             outs.append(
-                decode_attention(q[d.start :], k_pool, v_pool, d, self.scale, self.workspace)
+                decode_attention(
+                    q[d.start :],
+                    k_pool,
+                    v_pool,
+                    d,
+                    self.scale,
+                    self.workspace,
+                    kernel=self.cpu_kernels,
+                )
             )
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         return out.reshape(out.shape[0], -1)

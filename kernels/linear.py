@@ -8,14 +8,12 @@ own inductor uses for CPU) reaches 70-80 GFLOP/s and ~58 on the LM head for the 
 shapes, with results equal to ``F.linear`` up to float32 rounding (~1e-6 relative).
 
 ``PackedLinear`` holds one weight and picks the path once: packed when the weight is a
-float32 CPU tensor, oneDNN is available and ``PDSERVE_CPU_KERNELS`` is not ``0`` (the same
-switch that turns off the C++ attention kernel); otherwise plain ``F.linear``. The packed
-copy replaces the dense one, so memory does not grow.
+float32 CPU tensor and oneDNN is available, unless its caller says ``pack=False`` (the
+engine's ``cpu_kernels`` setting, which also turns off the C++ attention kernel); otherwise
+plain ``F.linear``. The packed copy replaces the dense one, so memory does not grow.
 """
 
 from __future__ import annotations
-
-import os
 
 import structlog
 import torch
@@ -38,8 +36,6 @@ def packing_available() -> bool:
 
 
 def _check() -> bool:
-    if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
-        return False
     if not torch.backends.mkldnn.is_available():
         return False
     try:

@@ -5,12 +5,11 @@ sequence's keys and values in place from the pool's blocks, where the torch refe
 (``engine/attention.py``) first gathers them into a contiguous copy. The extension is
 compiled on first use with the machine's C++ compiler (torch.utils.cpp_extension, cached
 under ``TORCH_EXTENSIONS_DIR``); if that is impossible the engine keeps the reference path.
-Set ``PDSERVE_CPU_KERNELS=0`` to force the reference.
+The engine's ``cpu_kernels`` setting decides whether it is asked at all.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -31,9 +30,6 @@ def _load() -> ModuleType | None:
     with _lock:
         if _module is not None or _failed:
             return _module
-        if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
-            _failed = True
-            return None
         try:
             from torch.utils.cpp_extension import load
 
