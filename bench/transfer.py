@@ -16,10 +16,10 @@ an order shuffled every round (a fixed order can phase-lock with a periodic dist
   cheapest per-call way Python has to run libc's memcpy (~0.7 us a call; ctypes.memmove
   costs ~1.5 us, torch ``copy_`` ~4 us and copies ~0.65x as fast on this CPU), so the ratio
   is the transport's own overhead on top of the copies themselves;
-- ``shm`` / ``tcp``: ``begin`` -> ``write_blocks`` for all 30 layers -> ``finish``, timed from
-  ``begin`` to ``finish`` returning (the job plans the block runs once, ``plan_blocks``, and
-  each ``write_blocks`` takes its layer's ranges from that plan: both count);
-  ``wait`` is ``TransferResult.wait_seconds``, how long ``finish`` blocked;
+- ``shm`` / ``tcp``: ``begin`` (which plans the block runs once) -> ``write_layer`` for all
+  30 layers -> ``finish``, timed from ``begin`` to the outcome in hand (the writer's owner
+  thread moves the bytes and resolves it); ``wait`` is ``TransferResult.wait_seconds``,
+  from ``finish`` to the confirmation;
 - ``socket``: a plain blocking TCP loopback socket: a 16-byte header, then one ``sendall`` per
   range (the same chunking), the sink ``recv_into``s a preallocated buffer and acknowledges;
   timed to the acknowledgement (the reference ``tcp`` is judged against).
@@ -98,7 +98,14 @@ from bench._common import (
 )
 from services.common.config import tcp_congestion
 from services.up import worker_placement
-from transfer import ByteRange, KVLayout, MemoryRegionHandle, get_transport, plan_blocks
+from transfer import (
+    ByteRange,
+    KVLayout,
+    KVSource,
+    MemoryRegionHandle,
+    get_transport,
+    plan_blocks,
+)
 from transfer.tcp_frames import set_congestion
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -633,6 +640,7 @@ class TransferBench:
         self.dst_layout = kv_layout(2 * biggest)
         self.src = torch.empty(self.src_layout.total_bytes, dtype=torch.uint8)
         _pattern_fill(self.src)
+        self.source = KVSource(self.src, self.src_layout)
         self.local_dst = torch.zeros(self.dst_layout.total_bytes, dtype=torch.uint8)
         max_bytes = biggest * 2 * NUM_LAYERS * self.src_layout.block_bytes
         peers = {
@@ -647,7 +655,7 @@ class TransferBench:
             handle = MemoryRegionHandle.from_dict(peers[name].recv(PEER_START_S))
             opts = {"congestion": cfg.tcp_congestion} if name == "tcp" else {}
             self.transports[name] = get_transport(name, **opts)
-            self.writers[name] = self.transports[name].connect(handle)
+            self.writers[name] = self.transports[name].connect(handle, self.source)
         port = peers["socket"].recv(PEER_START_S)
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -687,10 +695,12 @@ class TransferBench:
         self._ids += 1
         writer = self.writers[name]
         t0 = time.perf_counter()
-        job = writer.begin(f"bench-{self._ids}", deadline=time.monotonic() + DEADLINE_S)
+        job = writer.begin(
+            f"bench-{self._ids}", src_ids, dst_ids, deadline=time.monotonic() + DEADLINE_S
+        )
         for layer in range(NUM_LAYERS):
-            job.write_blocks(layer, self.src, self.src_layout, src_ids, dst_ids)
-        result = job.finish()
+            job.write_layer(layer)
+        result = job.finish().result(DEADLINE_S)
         elapsed = time.perf_counter() - t0
         return elapsed, result.wait_seconds
 

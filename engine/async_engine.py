@@ -62,7 +62,7 @@ class EngineStats:
 @dataclass
 class _PrefillJob:
     plan: PrefillPlan
-    on_layer_kv: Callable[[PrefillPlan, int], None] | None
+    on_layer_kv: Callable[[int], None] | None
     future: Future[PrefillOutput]
 
 
@@ -181,42 +181,52 @@ class AsyncEngine:
         async for ev in self._drain(request_id, q):
             yield ev
 
-    async def prefill(
-        self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        on_layer_kv: Callable[[PrefillPlan, int], None] | None = None,
-    ) -> PrefillOutput:
-        """Prefill role: compute the prompt (batched with others queued close together).
+    async def plan_prefill(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> PrefillPlan:
+        """Prefill role: validate a prompt and hold its blocks (a cached prefix reused).
 
-        ``on_layer_kv(plan, layer)`` runs on the engine thread as each layer's KV lands.
-        The blocks stay held: call ``release`` once the KV has been sent.
+        Then ``run_prefill``, and ``release`` once the KV has been sent (also after a
+        failure or a cancellation: the blocks stay held until then).
         """
-        fut: Future[PrefillOutput] = Future()
-
-        def enqueue() -> PrefillPlan:
-            plan = self.engine.plan_prefill(request_id, prompt_ids, params)
-            self._prefills.append(_PrefillJob(plan, on_layer_kv, fut))
-            return plan
-
-        await self.call(enqueue)
         try:
-            return await asyncio.wrap_future(fut)
+            return await self.call(lambda: self.engine.plan_prefill(request_id, prompt_ids, params))
         except asyncio.CancelledError:
-            # Runs between batches on the engine thread: drops the queued job, or frees the
-            # blocks of one that already ran.
-            self._commands.put((lambda: self._cancel_prefill(request_id), Future()))
+            # The engine thread may have planned it anyway: nobody would release it.
+            self._commands.put((lambda: self.engine.release(request_id), Future()))
             raise
 
-    def _cancel_prefill(self, request_id: str) -> None:
+    async def run_prefill(
+        self, plan: PrefillPlan, on_layer_kv: Callable[[int], None] | None = None
+    ) -> PrefillOutput:
+        """Prefill role: compute a planned prompt (batched with others queued close
+        together) and sample its first token.
+
+        ``on_layer_kv(layer)`` runs on the engine thread as each layer's KV lands. Cancelling
+        drops the prompt if it has not run yet; its blocks stay held until ``release``.
+        """
+        fut: Future[PrefillOutput] = Future()
+        try:
+            await self.call(lambda: self._prefills.append(_PrefillJob(plan, on_layer_kv, fut)))
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:  # queued after the append: it runs before the batch
+            self._commands.put((lambda: self._drop_queued(plan.request_id), Future()))
+            raise
+
+    def _drop_queued(self, request_id: str) -> None:
         for job in [j for j in self._prefills if j.plan.request_id == request_id]:
             self._prefills.remove(job)
             job.future.cancel()
-        self.engine.release(request_id)
 
     async def release(self, request_id: str) -> bool:
-        return await self.call(lambda: self.engine.release(request_id))
+        """Free a prefill plan's blocks (kept in the prefix cache) or a reservation; a
+        prompt of it still queued is dropped first."""
+
+        def release() -> bool:
+            self._drop_queued(request_id)
+            return self.engine.release(request_id)
+
+        return await self.call(release)
 
     async def abort(self, request_id: str) -> bool:
         return await self.call(lambda: self.engine.abort_request(request_id))
@@ -345,18 +355,17 @@ class AsyncEngine:
             batch.append(self._prefills.pop(0))
             tokens += n
         plans = [j.plan for j in batch]
-        hooks = [(j.plan, j.on_layer_kv) for j in batch if j.on_layer_kv is not None]
+        hooks = [j.on_layer_kv for j in batch if j.on_layer_kv is not None]
 
         def on_layer(layer: int) -> None:
-            for plan, hook in hooks:
-                hook(plan, layer)
+            for hook in hooks:
+                hook(layer)
 
         t0 = time.perf_counter()
         try:
             outs = self.engine.run_prefill(plans, on_layer if hooks else None)
-        except Exception as e:
+        except Exception as e:  # the blocks stay held: their owners release them
             for j in batch:
-                self.engine.release(j.plan.request_id)
                 j.future.set_exception(e)
             return
         seconds = time.perf_counter() - t0

@@ -1,10 +1,13 @@
 """The KV data plane: move KV blocks one-sided into a peer's registered pool.
 
-The contract and the job lifecycle are in ``transfer/base.py``; the design in DESIGN.md.
+The contract and a job's lifecycle are in ``transfer/base.py``; the owner-thread model in
+``transfer/writer.py``; the design in DESIGN.md.
 """
 
 from transfer.base import (
+    JobState,
     KVRegion,
+    KVSource,
     RegionWriter,
     TransferJob,
     TransferResult,
@@ -20,8 +23,10 @@ __all__ = [
     "BlockPlan",
     "ByteRange",
     "IncompatibleLayoutError",
+    "JobState",
     "KVLayout",
     "KVRegion",
+    "KVSource",
     "MemoryRegionHandle",
     "RegionWriter",
     "TransferError",

@@ -4,41 +4,46 @@ Target side (decode worker)::
 
     region = transport.register(layout)           # allocate + register the pool's memory
     cache = KVCache(layout.to_spec(), buffer=region.tensor)
-    send region.handle.to_dict() with the destination block ids in the Prefill call
+    send region.handle (and the destination block ids) in the Prefill call
 
 Initiator side (prefill worker)::
 
-    writer = transport.connect(handle)            # cached per region_id
-    job = writer.begin(request_id, deadline=time.monotonic() + 5.0)
-    for layer in ...:                             # as each layer finishes
-        job.write_blocks(layer, src_cache.as_bytes(), src_layout, src_ids, dst_ids)
-    result = job.finish()                         # bytes are in the target's memory now
+    source = KVSource(cache.as_bytes(), layout)   # the local pool, registered once
+    writer = transport.connect(handle, source)    # cached per (region, source)
+    job = writer.begin(request_id, src_ids, dst_ids, deadline=time.monotonic() + 5.0)
+    job.write_layer(layer)                        # engine thread, as each layer's KV lands
+    result = await asyncio.wrap_future(job.finish())  # bytes are in the target's memory now
 
-Lifecycle of one job (each stage is a queue owned by the writer's sender thread):
-``begin`` -> writes queued (non-blocking) -> moved in order by the sender -> end queued by
-``finish`` -> confirmed (shm: the copies are done; tcp: the receiver acknowledged the byte
-count) -> ``finish`` returns a ``TransferResult``. A job fails at most once, with
-``TransferTimeout`` (deadline passed) or ``TransferError`` (peer gone, connection broken,
-aborted); after it failed, none of its queued writes starts.
+Ownership: each writer has one owner thread (``transfer/writer.py``) that alone touches
+its mapping or socket and every job's progress. ``begin`` plans the block runs once in the
+caller's thread (pure); ``write_layer``, ``finish`` and ``abort`` only post a message to
+the owner. A job's outcome is a ``concurrent.futures.Future`` the owner resolves; its
+``state`` is the poll view of it: TRANSFERRING, then SUCCESS or FAILED (terminal, with the
+reason in ``error``: ``TransferTimeout`` past the deadline, ``TransferError`` for a dead
+peer, a broken connection or an abort). The owner resolves a failed job only once it will
+read none of the job's source bytes again, so the caller may then release the source blocks.
 
-Contract for the target: after a job failed, bytes of that job may still land in its
-destination blocks for a short while (one range already in flight, or bytes already in a
-socket buffer). The decode worker must not hand those blocks to another request until the
-writer's deadline plus a grace period has passed (the lease of the failure model).
+Contract for the target: after a job failed, bytes of it may still land in its destination
+blocks for a short while (bytes already in a socket buffer). The decode worker must not
+hand those blocks to another request until the writer's deadline plus a grace period has
+passed (the KV lease of the failure model).
 
-Why this shape admits RDMA unchanged: ``register`` is ``ibv_reg_mr`` over the pool's memory
-(``handle.key`` = rkey, ``handle.address`` = remote virtual address plus the rdma_cm
-``host:port`` a peer connects its RC queue pair to); ``connect`` creates and connects the
-queue pair; ``write`` posts one RDMA WRITE per range (the source is registered once, like the
-target); ``finish`` posts a final signalled WRITE-with-immediate and polls completions until
-the deadline. No method here assumes a socket or a shared mapping.
+How RDMA maps onto this one to one: ``register`` is ``ibv_reg_mr`` over the pool (the
+handle carries the remote address, the rkey as ``key`` and the rdma_cm ``host:port`` a peer
+connects its RC queue pair to); ``connect`` registers the source pool (lkey) and creates and
+connects the queue pair; the owner thread posts one RDMA WRITE per run for each layer it is
+handed, polls the completion queue in its loop, and for ``finish`` posts a signalled
+WRITE-with-immediate whose completion confirms the job; ``abort`` stops posting and waits
+for the writes already posted to complete. No method here assumes a socket or a mapping.
 """
 
 from __future__ import annotations
 
+import enum
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -46,16 +51,24 @@ import torch
 
 from transfer.errors import TransferError
 from transfer.handle import KVLayout, MemoryRegionHandle
-from transfer.plan import BlockPlan, ByteRange, check_layer, plan_blocks
+from transfer.plan import BlockPlan, check_layer
+
+
+class JobState(enum.Enum):
+    """Where a job is, as a poller sees it (SGLang's sender states, minus the bootstrap)."""
+
+    TRANSFERRING = "transferring"
+    SUCCESS = "success"
+    FAILED = "failed"  # terminal; ``TransferJob.error`` says why
 
 
 @dataclass(frozen=True)
 class TransferResult:
     """One finished job: ``bytes`` confirmed in the target's memory over ``layers`` layers.
 
-    ``seconds`` runs from the job's first write to its confirmation (it overlaps compute);
-    ``wait_seconds`` is how long ``finish()`` blocked, the transfer's cost to time to first
-    token.
+    ``seconds`` runs from the job's first layer to its confirmation (it overlaps compute);
+    ``wait_seconds`` from ``finish()`` to the confirmation: the transfer's cost to time to
+    first token.
     """
 
     bytes: int
@@ -76,31 +89,52 @@ class TransferStats:
 
 
 class StatsCounter:
-    """Thread-safe accumulator behind a ``TransferStats`` snapshot."""
+    """Thread-safe accumulator behind a ``TransferStats`` snapshot (receivers' threads)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._bytes = 0
-        self._seconds = 0.0
-        self._jobs = 0
-        self._failures = 0
+        self._stats = TransferStats()
 
-    def add_bytes(self, count: int) -> None:
+    def add(
+        self, *, bytes: int = 0, seconds: float = 0.0, jobs: int = 0, failures: int = 0
+    ) -> None:
         with self._lock:
-            self._bytes += count
-
-    def add_job(self, seconds: float) -> None:
-        with self._lock:
-            self._jobs += 1
-            self._seconds += seconds
-
-    def add_failure(self) -> None:
-        with self._lock:
-            self._failures += 1
+            s = self._stats
+            self._stats = TransferStats(
+                s.bytes + bytes, s.seconds + seconds, s.jobs + jobs, s.failures + failures
+            )
 
     def snapshot(self) -> TransferStats:
-        with self._lock:
-            return TransferStats(self._bytes, self._seconds, self._jobs, self._failures)
+        return self._stats
+
+
+@dataclass(frozen=True, eq=False)
+class KVSource:
+    """The local KV pool a writer copies from: ``KVCache.as_bytes()`` and its layout.
+
+    Made once per pool; writers keep it (for RDMA: the registered local memory), so its
+    bytes must stay allocated for as long as the transport lives.
+    """
+
+    tensor: torch.Tensor
+    layout: KVLayout
+
+    def __post_init__(self) -> None:
+        t = self.tensor
+        if (
+            not isinstance(t, torch.Tensor)
+            or t.dtype != torch.uint8
+            or t.dim() != 1
+            or not t.is_contiguous()
+        ):
+            raise TransferError("a KV source must be a flat contiguous uint8 tensor")
+        if t.device.type != "cpu":
+            raise TransferError(f"a KV source must be in CPU memory, got {t.device}")
+        if t.numel() < self.layout.total_bytes:
+            raise TransferError(
+                f"a KV source of {t.numel()} bytes cannot hold its {self.layout.total_bytes}-byte "
+                "layout"
+            )
 
 
 class KVRegion(ABC):
@@ -115,7 +149,7 @@ class KVRegion(ABC):
     def __init__(self, handle: MemoryRegionHandle, tensor: torch.Tensor) -> None:
         self.handle = handle
         self.tensor = tensor
-        self._stats = StatsCounter()
+        self.counter = StatsCounter()
 
     @property
     def layout(self) -> KVLayout:
@@ -123,7 +157,7 @@ class KVRegion(ABC):
 
     def stats(self) -> TransferStats:
         """What this side saw arrive (one-sided transports see nothing: zeros)."""
-        return self._stats.snapshot()
+        return self.counter.snapshot()
 
     @property
     @abstractmethod
@@ -139,157 +173,89 @@ class KVRegion(ABC):
         self.close()
 
 
-class _CachedPlan:
-    """The block plan ``write_blocks`` made for a job, with what it was made for.
+class TransferJob:
+    """One request's KV on its way into one region; any thread may hold and use it.
 
-    ``src_arg`` / ``dst_arg``: the id sequences exactly as passed when both are tuples
-    (immutable), else None: the next call with the very same objects needs no comparison.
-    A plain class with slots: every request makes one, on its first layer's path.
+    Immutable but for its outcome: ``begin`` made it and planned it, and every call here only
+    posts a message to the writer's owner thread, which alone moves its bytes.
     """
 
-    __slots__ = (
-        "dst_arg", "dst_block_ids", "plan", "src", "src_arg", "src_block_ids", "src_fits",
-        "src_layout",
-    )  # fmt: skip
-
     def __init__(
-        self,
-        src_layout: KVLayout,
-        src_block_ids: tuple[int, ...],
-        dst_block_ids: tuple[int, ...],
-        src: torch.Tensor,
-        plan: BlockPlan,
-        src_fits: bool,  # every layer of the plan lies inside ``src``
-        src_arg: object,
-        dst_arg: object,
+        self, writer: RegionWriter, request_id: str, plan: BlockPlan, deadline: float
     ) -> None:
-        self.src_layout = src_layout
-        self.src_block_ids = src_block_ids
-        self.dst_block_ids = dst_block_ids
-        self.src = src
+        self.request_id = request_id
         self.plan = plan
-        self.src_fits = src_fits
-        self.src_arg = src_arg
-        self.dst_arg = dst_arg
+        self.deadline = deadline
+        self.outcome: Future[TransferResult] = Future()
+        self.outcome.set_running_or_notify_cancel()  # only the owner ends it, never a cancel
+        self._writer = writer
 
+    @property
+    def state(self) -> JobState:
+        if not self.outcome.done():
+            return JobState.TRANSFERRING
+        return JobState.FAILED if self.outcome.exception() else JobState.SUCCESS
 
-class TransferJob(ABC):
-    """The transfer of one request's KV into one region, begun by ``RegionWriter.begin``."""
+    @property
+    def error(self) -> TransferError | None:
+        """Why the job failed; None while it runs or after it succeeded."""
+        if not self.outcome.done():
+            return None
+        error = self.outcome.exception()
+        assert error is None or isinstance(error, TransferError)
+        return error
 
-    request_id: str
-    deadline: float
-    handle: MemoryRegionHandle
-    _plan_cache: _CachedPlan | None = None
+    def write_layer(self, layer: int) -> None:
+        """Queue the move of ``layer``'s KV, which the source pool now holds (each layer at
+        most once). Never blocks; ``TransferError`` only for a layer outside the layout: a
+        job that failed ignores further layers (its outcome says why)."""
+        check_layer(layer, self.plan.num_layers)
+        self._writer.post(("layer", self, layer))
 
-    @abstractmethod
-    def write(self, layer: int, src: torch.Tensor, ranges: Sequence[ByteRange]) -> None:
-        """Queue copies of ``src[s:s+n]`` to region bytes ``[d, d+n)`` for each ``(s, d, n)``.
+    def finish(self) -> Future[TransferResult]:
+        """No more layers: the outcome, resolved once every written layer is confirmed in
+        the target's memory (or with the failure). Its bytes in the source pool must not
+        change until then. Idempotent."""
+        self._writer.post(("finish", self, None))
+        return self.outcome
 
-        Non-blocking. ``src`` is the flat uint8 view of the local pool (``KVCache.as_bytes()``);
-        its bytes in these ranges must not change until ``finish()`` returns. Ranges outside
-        ``src`` or the region, a bad layer, or a job that already failed or finished raise
-        ``TransferError`` and nothing of this call is queued.
-        """
+    def abort(self, reason: str = "aborted") -> Future[TransferResult]:
+        """Fail the job now (layers not yet moved are dropped); the outcome resolves once the
+        writer stopped reading its source bytes. Idempotent, never blocks."""
+        self._writer.post(("abort", self, reason))
+        return self.outcome
 
-    def write_blocks(
-        self,
-        layer: int,
-        src: torch.Tensor,
-        src_layout: KVLayout,
-        src_block_ids: Sequence[int],
-        dst_block_ids: Sequence[int],
-    ) -> None:
-        """``write`` the ranges ``plan_ranges`` gives for these blocks of one layer.
-
-        A request's block runs are the same in every layer; only the layer's base offset
-        differs on each side. So the runs are planned once per job (``plan_blocks``, which
-        checks the ids against both pools), and once ``src`` is known to hold the whole
-        source pool, no write needs per-range checks: a layer's runs stay inside both pools
-        because the layer does.
-        """
-        cached = self._plan_cache
-        if (  # the same immutable ids, pool and layout as the last layer: the common case
-            cached is None
-            or cached.src_arg is not src_block_ids
-            or cached.dst_arg is not dst_block_ids
-            or cached.src is not src
-            or cached.src_layout is not src_layout
-        ):
-            cached = self._plan_for(src, src_layout, src_block_ids, dst_block_ids)
-        if layer.__class__ is not int or not 0 <= layer < src_layout.num_layers:
-            check_layer(layer, src_layout.num_layers)  # raises, naming the layer
-        if cached.src_fits:
-            self._write_planned(layer, src, cached.plan)
-        else:
-            self.write(layer, src, cached.plan.ranges(layer))  # full checks, clear errors
-
-    def _plan_for(
-        self,
-        src: torch.Tensor,
-        src_layout: KVLayout,
-        src_block_ids: Sequence[int],
-        dst_block_ids: Sequence[int],
-    ) -> _CachedPlan:
-        """The job's plan for these arguments: the cached one when the ids, pool and layout
-        are equal to its own, else a new plan (``plan_blocks`` checks the ids)."""
-        src_ids, dst_ids = tuple(src_block_ids), tuple(dst_block_ids)
-        immutable = type(src_block_ids) is tuple and type(dst_block_ids) is tuple
-        src_arg, dst_arg = (src_block_ids, dst_block_ids) if immutable else (None, None)
-        cached = self._plan_cache
-        if (
-            cached is None
-            or cached.src is not src
-            or cached.src_block_ids != src_ids
-            or cached.dst_block_ids != dst_ids
-            or (cached.src_layout is not src_layout and cached.src_layout != src_layout)
-        ):
-            plan = plan_blocks(src_layout, self.handle.layout, src_ids, dst_ids)
-            fits = self._source_fits(src, src_layout)
-        else:
-            plan, fits = cached.plan, cached.src_fits
-        cached = _CachedPlan(src_layout, src_ids, dst_ids, src, plan, fits, src_arg, dst_arg)
-        self._plan_cache = cached
-        return cached
-
-    def _source_fits(self, src: torch.Tensor, src_layout: KVLayout) -> bool:
-        """Whether ``src`` is a source this transport takes that holds all of a pool of
-        ``src_layout`` (then every planned range lies inside it). False sends writes through
-        ``write``, whose checks name what is wrong."""
-        return False
-
-    def _write_planned(self, layer: int, src: torch.Tensor, plan: BlockPlan) -> None:
-        """``write`` of ``plan``'s ranges of ``layer``, which ``write_blocks`` vouches for
-        (``layer`` is in range, the plan's ranges lie inside ``src`` and the region).
-        Transports may skip their per-range checks, or copy by runs."""
-        self.write(layer, src, plan.ranges(layer))
-
-    @abstractmethod
-    def finish(self) -> TransferResult:
-        """Block until every queued write is confirmed in the target's memory.
-
-        Raises ``TransferTimeout`` once the deadline passes (never later than the deadline
-        plus scheduling slack) and ``TransferError`` if the peer or connection failed or the
-        job was aborted. Call at most once.
-        """
-
-    @abstractmethod
-    def abort(self) -> None:
-        """Fail the job now; queued writes are dropped. Idempotent, never blocks."""
+    def __repr__(self) -> str:
+        return f"TransferJob({self.request_id!r}, {self.state.value})"
 
 
 class RegionWriter(ABC):
-    """An initiator's open path into one remote region; runs any number of jobs."""
+    """An initiator's open path from one source pool into one remote region."""
 
-    def __init__(self, handle: MemoryRegionHandle) -> None:
+    def __init__(self, handle: MemoryRegionHandle, source: KVSource) -> None:
         self.handle = handle
+        self.source = source
 
     @abstractmethod
-    def begin(self, request_id: str, *, deadline: float) -> TransferJob:
-        """Start a job; ``deadline`` is absolute ``time.monotonic()`` seconds of this process.
+    def begin(
+        self,
+        request_id: str,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        *,
+        deadline: float,
+    ) -> TransferJob:
+        """Start moving ``src_block_ids[i]`` of the source into ``dst_block_ids[i]`` of the
+        region, layer by layer; ``deadline`` is absolute ``time.monotonic()`` seconds.
 
-        Raises ``TransferError`` if the writer is closed, the target is known to be gone, or
-        ``request_id`` already has a job in flight on this writer.
+        Raises ``TransferError`` for bad ids, incompatible layouts or a closed writer. A
+        target found gone, or a request id with a job in flight on this writer, fails the
+        job (its outcome), not the call.
         """
+
+    @abstractmethod
+    def post(self, message: tuple[str, TransferJob, object]) -> None:
+        """Hand ``(kind, job, argument)`` to the owner thread (``TransferJob`` calls this)."""
 
     @abstractmethod
     def stats(self) -> TransferStats: ...
@@ -306,22 +272,22 @@ class RegionWriter(ABC):
 class Transport(ABC):
     """One way of moving bytes; creates regions (target side) and writers (initiator side).
 
-    Writers are cached per ``region_id``: ``connect`` with the same handle returns the same
-    open writer. ``close`` closes every writer and region this transport made.
+    Writers are cached per region and source: ``connect`` with the same handle and source
+    returns the same open writer. ``close`` closes every writer and region this transport made.
     """
 
     name: ClassVar[str]
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._writers: dict[str, RegionWriter] = {}
+        self._lock = threading.Lock()  # the two lists below; never held across I/O
+        self._writers: dict[tuple[str, KVSource], RegionWriter] = {}
         self._regions: list[KVRegion] = []
 
     @abstractmethod
     def _register(self, layout: KVLayout) -> KVRegion: ...
 
     @abstractmethod
-    def _open_writer(self, handle: MemoryRegionHandle) -> RegionWriter: ...
+    def _open_writer(self, handle: MemoryRegionHandle, source: KVSource) -> RegionWriter: ...
 
     def register(self, layout: KVLayout) -> KVRegion:
         """Allocate and register memory for a pool of ``layout``; raises ``TransferError``."""
@@ -331,25 +297,27 @@ class Transport(ABC):
             self._regions.append(region)
         return region
 
-    def connect(self, handle: MemoryRegionHandle) -> RegionWriter:
-        """An open writer into ``handle``'s region; raises ``TransferError`` if unreachable."""
+    def connect(self, handle: MemoryRegionHandle, source: KVSource) -> RegionWriter:
+        """An open writer from ``source`` into ``handle``'s region; raises ``TransferError``
+        if the region is unreachable or its layout cannot take the source's blocks."""
         if handle.transport != self.name:
             raise TransferError(
                 f"handle is for transport {handle.transport!r}, this is {self.name!r}"
             )
+        source.layout.check_compatible(handle.layout)
+        key = (handle.region_id, source)
         with self._lock:
-            cached = self._writers.get(handle.region_id)
-            if cached is not None and not cached.closed and cached.handle == handle:
-                return cached
-        # Opening may block (a TCP connect): not under the lock; a racing opener loses.
-        writer = self._open_writer(handle)
+            cached = self._writers.get(key)
+        if cached is not None and not cached.closed and cached.handle == handle:
+            return cached
+        writer = self._open_writer(handle, source)  # may block (a TCP connect): not locked
         with self._lock:
-            current = self._writers.get(handle.region_id)
+            current = self._writers.get(key)
             if current is not None and not current.closed and current.handle == handle:
-                loser, writer = writer, current
+                loser, writer = writer, current  # a racing opener won
             else:
                 loser = current
-                self._writers[handle.region_id] = writer
+                self._writers[key] = writer
         if loser is not None:
             loser.close()
         return writer

@@ -1,334 +1,294 @@
 """Any-host transport: frames over TCP into a region served by a ``TcpReceiver``.
 
-Initiator side: a ``TcpWriter`` holds one persistent connection per region (reconnecting
-after a failure). Whoever moves a job's writes (the sender thread while the model computes,
-the thread in ``finish`` for the rest; see ``transfer/sender.py``) streams them as DATA
-frames of about ``FRAME_BYTES`` (header and range list, then the ranges' payloads, gathered
-by one ``sendmsg`` straight from the source tensor's memory); a stream lock keeps frames
-whole. ``finish`` then sends END and an ack-reader thread completes the job when the
-receiver confirms the byte count. A job whose deadline passes in the middle of a frame
-desynchronizes the stream, so the connection is closed and every job with bytes on it fails
-with ``TransferError``. Sockets block with kernel timeouts as ticks (no poll per call; see
-``transfer/tcp_frames.py``). Target side: see ``transfer/tcp_receiver.py``.
+Initiator side: a ``TcpWriter``'s owner thread holds one persistent, non-blocking connection
+per region (reconnecting after a failure) and alone reads and writes it. It turns each job's
+written layers into DATA frames of about ``FRAME_BYTES`` (header and range list, then the
+ranges' payloads, gathered by ``sendmsg`` straight from the source pool's memory) on one
+outbox, sends END once ``finish`` came and every layer is framed, and completes the job when
+the receiver's ACK confirms the byte count. A failed job's queued frames are dropped and an
+ABORT tells the receiver to forget it; a frame already half sent is finished first (the
+stream must stay whole), unless the job ran out of time, which closes the connection and
+fails every job on it. Target side: see ``transfer/tcp_receiver.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
+import selectors
 import socket
-import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
-import torch
-
-from transfer.base import KVRegion, Transport
+from transfer.base import KVRegion, KVSource, TransferJob, Transport
 from transfer.errors import TransferError, TransferTimeout
 from transfer.handle import KVLayout, MemoryRegionHandle
-from transfer.plan import ByteRange
-from transfer.sender import QueuedJob, QueuedWriter, Write, flat_batches
 from transfer.tcp_frames import (
     FRAME_BYTES,
     HEADER_SIZE,
+    IOV_MAX,
     MAX_RANGES,
-    POLL_SECONDS,
     TRANSPORT_NAME,
     AckStatus,
     Frame,
+    FrameError,
     FrameKind,
+    advance,
     check_congestion,
     encode_data,
     key_bytes,
     parse_address,
-    recv_exactly,
-    send_exactly,
-    send_views,
     set_congestion,
     split_frames,
 )
-from transfer.tcp_receiver import TcpReceiver, TcpRegion, past, tune_socket
-
-# The ack reader blocks in recv; a writer's close or a dead connection shuts the socket
-# down, which wakes it at once, so its tick only bounds how long a missed wake-up lasts.
-_ACK_TICK_SECONDS = 0.5
-
-# Bound on sending a 48-byte ABORT after a job failed: the receiver may be stuck.
-_NOTICE_SECONDS = 1.0
+from transfer.tcp_receiver import TcpReceiver, TcpRegion
+from transfer.writer import JobWork, OwnerThreadWriter, lowest_run
 
 
+class TcpWork(JobWork):
+    """A job's progress on the tcp transport (owner thread only)."""
+
+    def __init__(self, job: TransferJob) -> None:
+        super().__init__(job)
+        self.conn: _Connection | None = None  # the connection its frames go on, once framed
+        self.tag = 0  # its frame tag on that connection
+        self.framed = 0  # payload bytes queued as DATA frames
+        self.end_length = -1  # what its END frame declared, once queued
+
+
+@dataclass(eq=False)
+class _Outgoing:
+    """A frame on the outbox: what is left to send of it, and whose it is."""
+
+    work: TcpWork | None
+    views: list[memoryview]
+    payload: int  # DATA payload bytes (0 for END and ABORT)
+    started: bool = False
+
+
+@dataclass(eq=False)
 class _Connection:
-    """One TCP connection of a writer and the jobs that have bytes on it."""
+    """One connection of a writer: its socket, the jobs with frames on it, its outbox."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.jobs: dict[int, QueuedJob] = {}
-        self.dead = False
-        self.reason = ""
-        self.reader: threading.Thread | None = None
-
-
-@dataclass
-class _Binding:
-    """A job's place on a connection: the connection, the job's frame tag, and the byte
-    count its END frame declared (-1 until one is sent; with its last DATA frame when
-    ``finish`` moved that one). It is set just before the send: the ack may be read before
-    the sending thread runs again, and a failed send fails the job."""
-
-    conn: _Connection
-    tag: int
-    end_length: int = -1
-
-    @property
-    def ended(self) -> bool:
-        return self.end_length >= 0
+    sock: socket.socket
+    bound: dict[int, TcpWork] = field(default_factory=dict)  # tag -> job awaiting its ACK
+    outbox: deque[_Outgoing] = field(default_factory=deque)
+    acks: bytearray = field(default_factory=bytearray)
+    blocked: bool = False  # the socket buffer was full: wait until it has room
+    dead: bool = False
 
 
-class TcpWriter(QueuedWriter):
-    """Streams DATA frames into one remote region over a persistent connection.
-
-    The sender thread and a thread in ``finish`` may both send: the stream lock keeps each
-    frame whole on the wire and guards the current connection.
-    """
+class TcpWriter(OwnerThreadWriter):
+    """Streams one source pool's blocks into one remote region, on its owner thread."""
 
     def __init__(
-        self, handle: MemoryRegionHandle, connect_timeout: float, congestion: str | None = None
+        self,
+        handle: MemoryRegionHandle,
+        source: KVSource,
+        connect_timeout: float,
+        congestion: str | None = None,
     ) -> None:
-        super().__init__(handle)
-        self._congestion = congestion
-        self._stream = threading.Lock()
-        self._host, self._port = parse_address(handle.address)
+        super().__init__(handle, source)
+        self._address = parse_address(handle.address)
         self._key = key_bytes(handle.key)
         self._connect_timeout = connect_timeout
+        self._congestion = congestion
         self._tags = itertools.count(1)
-        # Connect now so an unreachable target fails connect(), not the first job.
+        self._payload = memoryview(source.tensor.numpy())
+        # Connect now, on the caller's thread, so an unreachable target fails connect(); the
+        # owner thread takes the connection over when it starts.
         self._conn: _Connection | None = self._open(time.monotonic() + connect_timeout)
-        self._start()
+        self._launch()
+
+    def _new_work(self, job: TransferJob) -> TcpWork:
+        return TcpWork(job)
+
+    # --- the connection ------------------------------------------------------------------
 
     def _open(self, deadline: float) -> _Connection:
         timeout = max(0.001, min(self._connect_timeout, deadline - time.monotonic()))
         try:
-            sock = socket.create_connection((self._host, self._port), timeout=timeout)
+            sock = socket.create_connection(self._address, timeout=timeout)
         except OSError as exc:
             raise TransferError(f"cannot connect to {self.handle.address}: {exc}") from exc
         try:
-            tune_socket(sock, POLL_SECONDS, _ACK_TICK_SECONDS)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._congestion is not None:
                 set_congestion(sock, self._congestion)
         except (OSError, TransferError):
             sock.close()
             raise
+        sock.setblocking(False)
         conn = _Connection(sock)
-        conn.reader = threading.Thread(
-            target=self._read_acks, args=(conn,), name="kv-acks", daemon=True
-        )
-        conn.reader.start()
+        self._watch(sock, selectors.EVENT_READ, lambda events: self._on_ready(conn, events))
         return conn
 
-    @contextlib.contextmanager
-    def _streaming(self, job: QueuedJob) -> Iterator[None]:
-        """Hold the stream lock, waiting no longer than ``job``'s deadline."""
-        if not self._stream.acquire(timeout=max(0.0, job.deadline - time.monotonic())):
-            raise self._timeout(job)
-        try:
-            yield
-        finally:
-            self._stream.release()
-
-    def _drop(self, conn: _Connection) -> None:
-        """Under the stream lock: the one place a connection's socket is closed."""
-        self._kill(conn, "writer closed")
-        if conn.reader is not None:
-            conn.reader.join(timeout=2.0)
-        conn.sock.close()
+    def _connection(self, work: TcpWork) -> _Connection:
+        if self._conn is None or self._conn.dead:
+            self._conn = self._open(work.job.deadline)
+        return self._conn
 
     def _kill(self, conn: _Connection, reason: str) -> None:
-        """Any thread: mark ``conn`` dead, wake its users, fail the jobs with bytes on it."""
-        with self._lock:
-            if conn.dead:
-                return
-            conn.dead = True
-            conn.reason = reason
-            jobs = list(conn.jobs.values())
-            conn.jobs.clear()
-        with contextlib.suppress(OSError):
-            conn.sock.shutdown(socket.SHUT_RDWR)
-        for job in jobs:
-            self._fail(job, TransferError(f"connection to {self.handle.address} lost: {reason}"))
-
-    def _bound(self, job: QueuedJob) -> _Binding:
-        """The connection ``job``'s frames go on; a job never moves to another connection."""
-        binding: _Binding | None = job.transport_state
-        if binding is not None:
-            if binding.conn.dead:
-                raise TransferError(
-                    f"connection to {self.handle.address} lost: {binding.conn.reason}"
-                )
-            return binding
-        if self._conn is None or self._conn.dead:
-            if self._conn is not None:
-                self._drop(self._conn)
-                self._conn = None
-            self._conn = self._open(job.deadline)
-        # A fresh tag per job, not a hash of the request id: a retried request's late ack
-        # must not complete its successor.
-        binding = _Binding(self._conn, next(self._tags))
-        with self._lock:
-            self._conn.jobs[binding.tag] = job
-        job.transport_state = binding
-        return binding
-
-    def _send(self, conn: _Connection, job: QueuedJob, views: Sequence[memoryview | bytes]) -> None:
-        def give_up() -> None:
-            if conn.dead:
-                raise TransferError(f"connection to {self.handle.address} lost: {conn.reason}")
-            if time.monotonic() > job.deadline:
-                raise self._timeout(job)
-
-        try:
-            send_views(conn.sock, views, give_up=give_up)
-        except TransferTimeout as exc:
-            # Half a frame is on the wire: the stream is unusable for every job on it.
-            self._fail(job, exc)
-            self._kill(conn, f"{job.request_id!r} timed out mid-frame")
-            raise
-        except OSError as exc:
-            self._kill(conn, f"send failed: {exc}")
-            raise TransferError(f"send to {self.handle.address} failed: {exc}") from exc
-
-    def _move(self, job: QueuedJob, writes: Sequence[Write]) -> None:
-        with self._streaming(job):
-            for src, ranges, _ in flat_batches(writes):
-                self._send_frames(job, src, ranges, end=False)
-
-    def _move_here(self, job: QueuedJob, writes: Sequence[Write]) -> None:
-        """``_move``, and the job's END frame goes in the last DATA frame's sendmsg: the
-        job's last bytes, so the receiver finds the END right behind them (no extra send)."""
-        with self._streaming(job):
-            batches = flat_batches(writes)
-            for i, (src, ranges, _) in enumerate(batches):
-                self._send_frames(job, src, ranges, end=i == len(batches) - 1)
-
-    def _send_frames(
-        self, job: QueuedJob, src: torch.Tensor, ranges: Sequence[ByteRange], *, end: bool
-    ) -> None:
-        """DATA frames of about ``FRAME_BYTES`` each: header and range list, then the
-        payloads, gathered from the source's memory by one sendmsg; with ``end``, the job's
-        END frame follows the last one in the same sendmsg."""
-        binding = self._bound(job)
-        payload = memoryview(src.detach().numpy())
-        frames = split_frames([n for _, _, n in ranges], MAX_RANGES, FRAME_BYTES)
-        for i, (start, stop, size) in enumerate(frames):
-            # An aborted job still completes the frame in flight (the stream stays usable),
-            # then stops; a deadline stops it mid-frame (see _send).
-            if job.terminal:
-                return
-            part = ranges[start:stop]
-            head = encode_data(self._key, binding.tag, [(d, n) for _, d, n in part], size)
-            views: list[memoryview | bytes] = [head, *(payload[s : s + n] for s, _, n in part)]
-            last = end and i == len(frames) - 1
-            if last:
-                binding.end_length = job.bytes_moved + size
-                views.append(
-                    Frame(FrameKind.END, self._key, binding.tag, length=binding.end_length).encode()
-                )
-            self._send(binding.conn, job, views)
-            self._moved(job, size)
-
-    def _end(self, job: QueuedJob) -> None:
-        binding: _Binding | None = job.transport_state
-        if binding is None:
-            self._complete(job)  # nothing was written: nothing to confirm
+        """Close ``conn``; every job with frames on it fails (one frame may be half sent)."""
+        if conn.dead:
             return
-        if binding.ended:
-            return  # the END went out with the last DATA frame; the ack reader completes
-        with self._streaming(job):
-            binding = self._bound(job)
-            binding.end_length = job.bytes_moved
-            end = Frame(FrameKind.END, self._key, binding.tag, length=binding.end_length)
-            self._send(binding.conn, job, [end.encode()])
-        # The ack reader completes the job.
+        conn.dead = True
+        self._unwatch(conn.sock)
+        conn.sock.close()
+        if self._conn is conn:
+            self._conn = None
+        waiting = conn.outbox[0].work if conn.outbox else None
+        conn.outbox.clear()
+        error = TransferError(f"connection to {self.handle.address} lost: {reason}")
+        for work in list(conn.bound.values()):
+            self._fail(work, error)
+        conn.bound.clear()
+        if waiting is not None and waiting.error is not None:
+            self._resolve(waiting)  # its half-sent frame will never finish now
 
-    def _on_failed(self, job: QueuedJob) -> None:
-        binding: _Binding | None = job.transport_state
-        if binding is None or binding.conn.dead:
+    # --- hooks ---------------------------------------------------------------------------
+
+    def _move(self) -> None:
+        for work in list(self._works.values()):
+            if work.pending and not work.done:
+                assert isinstance(work, TcpWork)
+                try:
+                    self._frame(work)
+                except TransferError as exc:
+                    self._fail(work, exc)
+        if self._conn is not None:
+            self._flush(self._conn)
+
+    def _frame(self, work: TcpWork) -> None:
+        """Queue ``work``'s pending layers as DATA frames; bind it to the connection first."""
+        if work.conn is None:
+            work.conn = self._connection(work)
+            work.tag = next(self._tags)  # never reused: a late ACK cannot complete another job
+            work.conn.bound[work.tag] = work
+        conn = work.conn
+        while work.pending:
+            start, stop = lowest_run(work.pending)
+            ranges = [r for layer in range(start, stop) for r in work.job.plan.ranges(layer)]
+            for i, j, size in split_frames([n for _, _, n in ranges], MAX_RANGES, FRAME_BYTES):
+                part = ranges[i:j]
+                head = encode_data(self._key, work.tag, [(d, n) for _, d, n in part], size)
+                views = [memoryview(head), *(self._payload[s : s + n] for s, _, n in part)]
+                conn.outbox.append(_Outgoing(work, views, size))
+                work.framed += size
+            self._moved(work, start, stop)
+
+    def _end(self, work: JobWork) -> None:
+        assert isinstance(work, TcpWork)
+        if work.conn is None:
+            self._succeed(work)  # nothing was written: nothing to confirm
             return
-        conn = binding.conn
-        with self._lock:
-            if conn.jobs.get(binding.tag) is job:
-                del conn.jobs[binding.tag]
-        deadline = time.monotonic() + _NOTICE_SECONDS
+        work.end_length = work.framed
+        end = Frame(FrameKind.END, self._key, work.tag, length=work.framed).encode()
+        work.conn.outbox.append(_Outgoing(work, [memoryview(end)], 0))
+        self._flush(work.conn)
 
-        def give_up() -> None:
-            if conn.dead:
-                raise TransferError("connection lost")
-            past(deadline)
+    def _drop(self, work: JobWork) -> bool:
+        assert isinstance(work, TcpWork)
+        conn = work.conn
+        if conn is None or conn.dead:
+            return False
+        conn.bound.pop(work.tag, None)
+        head = conn.outbox[0] if conn.outbox else None
+        half_sent = head is not None and head.work is work and head.started
+        if half_sent and isinstance(work.error, TransferTimeout):
+            # Out of time mid-frame (the receiver stopped reading): the stream cannot carry
+            # other jobs any more.
+            self._kill(conn, f"{work.job.request_id!r} timed out mid-frame")
+            return False
+        conn.outbox = deque(
+            f for f in conn.outbox if f.work is not work or (f is head and half_sent)
+        )
+        if half_sent or work.bytes_moved:  # the receiver holds a partial count for it
+            abort = Frame(FrameKind.ABORT, self._key, work.tag).encode()
+            conn.outbox.append(_Outgoing(None, [memoryview(abort)], 0))
+        return half_sent
 
-        notice = Frame(FrameKind.ABORT, self._key, binding.tag).encode()
-        if not self._stream.acquire(timeout=_NOTICE_SECONDS):
-            self._kill(conn, "could not send ABORT: the stream stayed busy")
-            return
-        try:
-            send_exactly(conn.sock, notice, give_up=give_up)
-        except (OSError, TransferError) as exc:
-            self._kill(conn, f"sending ABORT failed: {exc}")
-        finally:
-            self._stream.release()
-
-    def _read_acks(self, conn: _Connection) -> None:
-        header = bytearray(HEADER_SIZE)
-        view = memoryview(header)
-        reason = "receiver closed the connection"
-        try:
-            while recv_exactly(
-                conn.sock,
-                view,
-                inactivity=float("inf"),
-                stop=lambda: conn.dead or self._closed,
-                eof_ok=True,
-            ):
-                frame = Frame.decode(header)
-                if frame.kind is not FrameKind.ACK:
-                    reason = f"unexpected {frame.kind.name} frame from the receiver"
-                    break
-                with self._lock:
-                    job = conn.jobs.pop(frame.tag, None)
-                if job is None:
-                    continue  # the job already failed or was aborted
-                # What the END declared (set before it was sent: this ack may be read
-                # before the sending thread has counted its last frame in bytes_moved).
-                sent = job.transport_state.end_length
-                if frame.status == AckStatus.OK and frame.length == sent:
-                    self._complete(job)
-                else:
-                    self._fail(
-                        job,
-                        TransferError(
-                            f"receiver got {frame.length} bytes of {job.request_id!r}, "
-                            f"{sent} were sent"
-                        ),
-                    )
-        except (OSError, TransferError) as exc:
-            reason = f"receiving acks failed: {exc}"
-        self._kill(conn, reason)
-
-    def _interrupt(self) -> None:
+    def _wait_timeout(self) -> float | None:
         conn = self._conn
-        if conn is not None:
-            self._kill(conn, "writer closed")
+        return 0.0 if conn is not None and conn.outbox and not conn.blocked else None
 
     def _release(self) -> None:
-        # A finish() on another thread may still be leaving a send (the connection is dead
-        # by now, so not for long); closing the socket under it would be a use after close.
-        locked = self._stream.acquire(timeout=5.0)
+        if self._conn is not None:
+            self._kill(self._conn, "writer closed")
+
+    # --- socket I/O (owner thread) -----------------------------------------------------
+
+    def _flush(self, conn: _Connection) -> None:
+        """Send from the outbox until it is empty or the socket buffer is full."""
+        while conn.outbox and not conn.dead:
+            head = conn.outbox[0]
+            try:
+                sent = conn.sock.sendmsg(head.views[:IOV_MAX])
+            except BlockingIOError:
+                conn.blocked = True
+                self._watch(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE,
+                            lambda events: self._on_ready(conn, events))  # fmt: skip
+                return
+            except OSError as exc:
+                self._kill(conn, f"send failed: {exc}")
+                return
+            head.started = True
+            head.views = advance(head.views, sent)
+            if head.views:
+                continue
+            conn.outbox.popleft()
+            work = head.work
+            if work is not None:
+                work.bytes_moved += head.payload
+                if work.error is not None:
+                    self._resolve(work)  # its half-sent frame is out: it stopped moving
+        if conn.blocked and not conn.dead:  # drained: stop waiting for room
+            conn.blocked = False
+            self._watch(
+                conn.sock, selectors.EVENT_READ, lambda events: self._on_ready(conn, events)
+            )
+
+    def _on_ready(self, conn: _Connection, events: int) -> None:
+        if events & selectors.EVENT_WRITE:
+            self._flush(conn)
+        if events & selectors.EVENT_READ and not conn.dead:
+            self._read_acks(conn)
+
+    def _read_acks(self, conn: _Connection) -> None:
         try:
-            if self._conn is not None:
-                self._drop(self._conn)
-                self._conn = None
-        finally:
-            if locked:
-                self._stream.release()
+            data = conn.sock.recv(1 << 16)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._kill(conn, f"receiving acks failed: {exc}")
+            return
+        if not data:
+            self._kill(conn, "receiver closed the connection")
+            return
+        conn.acks += data
+        while len(conn.acks) >= HEADER_SIZE and not conn.dead:
+            try:
+                frame = Frame.decode(bytes(conn.acks[:HEADER_SIZE]))
+            except FrameError as exc:
+                self._kill(conn, f"bad frame from the receiver: {exc}")
+                return
+            del conn.acks[:HEADER_SIZE]
+            if frame.kind is not FrameKind.ACK:
+                self._kill(conn, f"unexpected {frame.kind.name} frame from the receiver")
+                return
+            work = conn.bound.pop(frame.tag, None)
+            if work is None:
+                continue  # the job failed or was aborted already
+            if frame.status == AckStatus.OK and frame.length == work.end_length:
+                self._succeed(work)
+            else:
+                self._fail(
+                    work,
+                    TransferError(
+                        f"receiver got {frame.length} bytes of {work.job.request_id!r}, "
+                        f"{work.end_length} were sent"
+                    ),
+                )
 
 
 class TcpTransport(Transport):
@@ -338,11 +298,9 @@ class TcpTransport(Transport):
     ``host`` is a wildcard). ``idle_timeout`` closes connections silent between frames;
     ``io_timeout`` bounds silence inside a frame; ``connect_timeout`` bounds a writer's dial.
     ``congestion`` is the TCP congestion control the writers' connections send with (Linux
-    ``TCP_CONGESTION``; ``None``: the system's default). The sender's choice is the one that
-    counts, and a name this process may not use fails here, not at the first connection.
-    Between two processes on one host ``reno`` avoids what ``bbr`` does there: BBR paces,
-    segments it held back go out from another CPU, and on loopback they arrive out of order
-    and trigger fast retransmits (measured: docs/benchmarks.md, the transfer section).
+    ``TCP_CONGESTION``; ``None``: the system's default); a name this process may not use
+    fails here, not at the first connection. Between two processes on one host ``reno``
+    avoids BBR's pacing reordering loopback segments (docs/benchmarks.md, transfer).
     """
 
     name = TRANSPORT_NAME
@@ -388,8 +346,8 @@ class TcpTransport(Transport):
         receiver.add(region)
         return region
 
-    def _open_writer(self, handle: MemoryRegionHandle) -> TcpWriter:
-        return TcpWriter(handle, self.connect_timeout, self.congestion)
+    def _open_writer(self, handle: MemoryRegionHandle, source: KVSource) -> TcpWriter:
+        return TcpWriter(handle, source, self.connect_timeout, self.congestion)
 
     def close(self) -> None:
         super().close()

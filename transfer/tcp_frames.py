@@ -230,7 +230,7 @@ def set_io_tick(sock: socket.socket, send: float, recv: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(recv))
 
 
-def _advance(views: list[memoryview], count: int) -> list[memoryview]:
+def advance(views: list[memoryview], count: int) -> list[memoryview]:
     """``views`` without their first ``count`` bytes."""
     i = 0
     while i < len(views) and count >= len(views[i]):
@@ -279,7 +279,7 @@ def recv_views(
             raise PeerClosed(f"peer closed the connection after {got} of {total} bytes")
         got += count
         last = time.monotonic()
-        pending = _advance(pending, count)
+        pending = advance(pending, count)
     return True
 
 
@@ -313,7 +313,7 @@ def send_views(
             sent = sock.sendmsg(pending[:IOV_MAX])
         except (BlockingIOError, TimeoutError):  # one tick without room in the buffer
             continue
-        pending = _advance(pending, sent)
+        pending = advance(pending, sent)
 
 
 def send_exactly(

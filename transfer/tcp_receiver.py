@@ -189,14 +189,14 @@ class TcpReceiver:
                     self._receive_data(conn, frame, region, stop)
                     seen, first = pending.get(frame.tag, (0, time.monotonic()))
                     pending[frame.tag] = (seen + frame.length, first)
-                    region._stats.add_bytes(frame.length)
+                    region.counter.add(bytes=frame.length)
                 elif frame.kind is FrameKind.END:
                     seen, first = pending.pop(frame.tag, (0, time.monotonic()))
                     ok = seen == frame.length
                     if ok:
-                        region._stats.add_job(time.monotonic() - first)
+                        region.counter.add(seconds=time.monotonic() - first, jobs=1)
                     else:
-                        region._stats.add_failure()
+                        region.counter.add(failures=1)
                     ack = Frame(
                         FrameKind.ACK,
                         frame.key,
@@ -253,7 +253,7 @@ class TcpReceiver:
         with self._lock:
             self.rejected += 1
         if region is not None:
-            region._stats.add_failure()
+            region.counter.add(failures=1)
         log.warning("kv receiver: closing connection from %s: %s", peer, reason)
 
 

@@ -13,7 +13,7 @@ What is timed, on ``threads`` torch threads (set before any work), float32 by de
   Contexts grow by at most 1 + steps x repeats tokens while timed; the grid records c.
 - KV transfer (``--transfer shm|tcp``, default shm): the KV of a ``max(prefill_tokens)``-token
   request pushed from the engine's pool into a region registered in this process, the way a
-  prefill worker pushes it (``write_blocks`` for every layer, then ``finish``); bytes moved /
+  prefill worker pushes it (``write_layer`` for every layer, then ``finish``); bytes moved /
   median seconds. In one process the tcp receiver shares the interpreter with the sender,
   so its figure is pessimistic; shm copies the same bytes a cross-process push does.
 - KV bytes per token and the number of layers come from the engine's KV spec.
@@ -203,26 +203,26 @@ def _decode_step_s(
 
 def _transfer_bytes_per_s(engine: Any, transport_name: str, tokens: int, repeats: int) -> float:
     """Bytes/s of pushing one ``tokens``-token request's KV, every layer, over a transport."""
-    from transfer import KVLayout, get_transport
+    from transfer import KVLayout, KVSource, get_transport
 
     src_layout = KVLayout.from_spec(engine.kv_spec)
     nblocks = engine.blocks.blocks_needed(tokens)
     dst_layout = replace(src_layout, num_blocks=nblocks)
-    src = engine.kv.as_bytes()
+    src = KVSource(engine.kv.as_bytes(), src_layout)
     ids = list(range(nblocks))
     with get_transport(transport_name) as transport:
         region = transport.register(dst_layout)
         try:
             region.tensor.zero_()  # touch the pages before timing
-            writer = transport.connect(region.handle)
+            writer = transport.connect(region.handle, src)
             times = []
             for i in range(repeats + 1):  # the first is a warm-up
                 t0 = time.perf_counter()
                 deadline = time.monotonic() + _TRANSFER_DEADLINE_S
-                job = writer.begin(f"plan-xfer-{i}", deadline=deadline)
+                job = writer.begin(f"plan-xfer-{i}", ids, ids, deadline=deadline)
                 for layer in range(src_layout.num_layers):
-                    job.write_blocks(layer, src, src_layout, ids, ids)
-                result = job.finish()
+                    job.write_layer(layer)
+                result = job.finish().result(_TRANSFER_DEADLINE_S)
                 times.append(time.perf_counter() - t0)
             return result.bytes / statistics.median(times[1:])
         finally:

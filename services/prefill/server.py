@@ -2,33 +2,37 @@
 memory layer by layer, answer with the first token.
 
 Request lifecycle (each stage a queue): received -> planned (local blocks, prefix-cache
-hit) -> batched with prompts that arrived close together (AsyncEngine) -> forward pass,
-each layer's KV handed to the transfer job as soon as it is written -> transfer confirmed
-in the destination -> local blocks released (kept in the prefix cache) -> reply.
+hit) -> transfer begun -> batched with prompts that arrived close together (AsyncEngine)
+-> forward pass, each layer handed to the transfer job as soon as its KV is written ->
+transfer confirmed in the destination -> reply. Whatever happens, the local blocks are
+released (kept in the prefix cache) only once the transfer's outcome is in.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import NoReturn
 
 import grpc
 import structlog
 
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
-from engine.llm_engine import PrefillPlan
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common import metrics
 from services.common.convert import handle_from_proto, sampling_from_proto
 from services.common.grpc_errors import abort_with
-from transfer.base import Transport
-from transfer.errors import TransferError
+from transfer.base import KVSource, TransferJob, TransferResult, Transport
+from transfer.errors import IncompatibleLayoutError, TransferError
 from transfer.handle import KVLayout
 
 log = structlog.get_logger(__name__)
 
 DEFAULT_DEADLINE_S = 30.0
+# How long past its deadline a transfer's outcome may come (the writer fails the job at the
+# deadline); later, the writer is taken for stuck.
+OUTCOME_GRACE_S = 5.0
 ROLE = "prefill"
 
 
@@ -37,8 +41,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.aengine = aengine
         self.transports = transports
         eng = aengine.engine
-        self.src = eng.kv.as_bytes()
-        self.src_layout = KVLayout.from_spec(eng.kv_spec)
+        self.source = KVSource(eng.kv.as_bytes(), KVLayout.from_spec(eng.kv_spec))
         self.inflight = 0
         for name in transports:  # export the series at 0 before the first transfer
             metrics.TRANSFER_BYTES.labels(ROLE, name)
@@ -77,6 +80,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                     f"(have {sorted(self.transports)})"
                 )
             dst_ids = tuple(dest.block_ids)
+            outside = [b for b in dst_ids if b >= handle.layout.num_blocks]
+            if outside:
+                raise InvalidRequestError(
+                    f"kv_destination block id {outside[0]} outside the region's "
+                    f"{handle.layout.num_blocks} blocks"
+                )
             need = self.aengine.engine.blocks.blocks_needed(len(ids))
             if len(dst_ids) != need:
                 raise InvalidRequestError(
@@ -90,41 +99,42 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         budget = request.deadline_ms / 1000 if request.deadline_ms else DEFAULT_DEADLINE_S
         deadline = arrival + budget
         try:
-            job = transport.connect(handle).begin(rid, deadline=deadline)
+            writer = transport.connect(handle, self.source)
+        except IncompatibleLayoutError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            raise AssertionError("unreachable") from e
         except TransferError as e:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, f"cannot reach the KV destination: {e}"
             )
             raise AssertionError("unreachable") from e
 
-        def on_layer(plan: PrefillPlan, layer: int) -> None:
-            try:
-                job.write_blocks(layer, self.src, self.src_layout, plan.block_ids, dst_ids)
-            except TransferError:
-                pass  # the job has failed; finish() reports it for this request only
-
-        t0 = time.monotonic()
         try:
+            plan = await self.aengine.plan_prefill(rid, ids, params)
+        except Exception as e:
+            await self._fail(context, e)
+        job: TransferJob | None = None
+        try:
+            job = writer.begin(rid, plan.block_ids, dst_ids, deadline=deadline)
+            t0 = time.monotonic()
+            metrics.QUEUE_TIME.labels(ROLE).observe(t0 - arrival)
             out = await asyncio.wait_for(
-                self.aengine.prefill(rid, ids, params, on_layer), deadline - time.monotonic()
+                self.aengine.run_prefill(plan, job.write_layer), deadline - t0
             )
-        except BaseException as e:
-            job.abort()
-            if isinstance(e, asyncio.CancelledError):
-                raise
-            metrics.ERRORS.labels(ROLE, type(e).__name__).inc()
-            await abort_with(context, e)
-            raise AssertionError("unreachable") from e
-        computed = time.monotonic()
-        try:
-            result = await asyncio.to_thread(job.finish)
-        except TransferError as e:
-            metrics.ERRORS.labels(ROLE, type(e).__name__).inc()
-            await abort_with(context, e)
-            raise AssertionError("unreachable") from e
+            computed = time.monotonic()
+            job.finish()
+            result = await _outcome(job)
+        except asyncio.CancelledError:
+            if job is not None:
+                job.abort("cancelled: the caller went away")
+            raise
+        except Exception as e:
+            if job is not None:
+                job.abort(f"failed: {type(e).__name__}")
+            await self._fail(context, e)
         finally:
-            # The source blocks must not change until the transfer is confirmed.
-            await self.aengine.release(rid)
+            # The source blocks are read by the transfer until its outcome is in.
+            await asyncio.shield(self._release_when_stopped(rid, job))
         done = time.monotonic()
         metrics.TRANSFER_BYTES.labels(ROLE, handle.transport).inc(result.bytes)
         metrics.TRANSFER_SECONDS.labels(ROLE, handle.transport).observe(result.seconds)
@@ -148,3 +158,29 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             transfer_seconds=result.seconds,
             transfer_tail_seconds=done - computed,
         )
+
+    async def _fail(self, context: grpc.aio.ServicerContext, e: BaseException) -> NoReturn:
+        metrics.ERRORS.labels(ROLE, type(e).__name__).inc()
+        await abort_with(context, e)
+        raise AssertionError("unreachable") from e
+
+    async def _release_when_stopped(self, rid: str, job: TransferJob | None) -> None:
+        """Release the request's local blocks once no transfer reads them any more."""
+        if job is not None:
+            try:
+                await _outcome(job)
+            except TransferError:
+                pass  # failed: its writer stopped reading the source
+            except TimeoutError:
+                # The writer never reported back: its blocks are leaked, not reused under
+                # a copy that may still run.
+                log.error("transfer_outcome_lost", request_id=rid)
+                return
+        await self.aengine.release(rid)
+
+
+async def _outcome(job: TransferJob) -> TransferResult:
+    """A transfer's outcome; ``TimeoutError`` if the writer did not report by the job's
+    deadline plus ``OUTCOME_GRACE_S``."""
+    left = max(0.0, job.deadline - time.monotonic()) + OUTCOME_GRACE_S
+    return await asyncio.wait_for(asyncio.wrap_future(job.outcome), left)

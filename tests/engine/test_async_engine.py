@@ -78,7 +78,9 @@ async def test_prefill_and_decode_roles(make_engine, default_tokenizer) -> None:
         blocks = await dec.reserve("r", ids, GREEDY)
         layers: list[int] = []
 
-        def hook(plan, layer: int) -> None:
+        plan = await pre.plan_prefill("r", ids, GREEDY)
+
+        def hook(layer: int) -> None:
             layers.append(layer)
             src, dst = pre.engine.kv, dec.engine.kv
             bb = src.spec.block_bytes
@@ -87,7 +89,7 @@ async def test_prefill_and_decode_roles(make_engine, default_tokenizer) -> None:
                     so, do = src.spec.offset(layer, kv, s), dst.spec.offset(layer, kv, d)
                     dst.as_bytes()[do : do + bb] = src.as_bytes()[so : so + bb]
 
-        out = await pre.prefill("r", ids, GREEDY, hook)
+        out = await pre.run_prefill(plan, hook)
         assert layers == list(range(30))
         assert await pre.release("r")
         toks: list[int] = []
@@ -101,6 +103,46 @@ async def test_prefill_and_decode_roles(make_engine, default_tokenizer) -> None:
     finally:
         await pre.stop()
         await dec.stop()
+
+
+async def test_a_prefills_blocks_stay_held_until_release_even_when_cancelled(
+    make_engine, default_tokenizer
+) -> None:
+    """A transfer may still read a prefill's blocks after the caller stopped waiting for
+    it: only ``release`` frees them, and it drops the prompt too if it had not run."""
+    ids = default_tokenizer.encode("The three primary colors are")
+    pre = AsyncEngine(make_engine(num_kv_blocks=32, enable_prefix_caching=False))
+    pre.start()
+
+    async def free() -> int:
+        return await pre.call(lambda: pre.engine.blocks.num_free_blocks)
+
+    try:
+        total = await free()
+        plan = await pre.plan_prefill("ran", ids, GREEDY)
+        held = total - await free()
+        assert held == len(plan.block_ids) > 0
+        await pre.run_prefill(plan)
+        assert await free() == total - held  # computed, still held
+        assert await pre.release("ran") and await free() == total
+
+        plan = await pre.plan_prefill("cancelled", ids, GREEDY)
+        layers: list[int] = []
+        # Keep the engine thread busy so the prompt is still queued when the caller leaves.
+        busy = asyncio.ensure_future(pre.call(lambda: time.sleep(0.3)))
+        task = asyncio.ensure_future(pre.run_prefill(plan, layers.append))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await busy
+        await asyncio.sleep(0.5)  # time enough to have computed it, had it not been dropped
+        assert layers == []  # dropped before it ran
+        assert await free() == total - held  # the caller left; the blocks did not
+        assert await pre.release("cancelled") and await free() == total
+        assert not await pre.release("cancelled")
+    finally:
+        await pre.stop()
 
 
 async def test_cancelling_right_after_submit_never_leaks_a_request(make_engine) -> None:

@@ -171,6 +171,28 @@ async def test_cancel_frees_blocks_on_both_workers(cluster, prompts) -> None:
     assert await _wait_metric(ports["prefill"], "pdserve:kv_cache_usage_perc", 0.0, 1.0) == 0.0
 
 
+async def test_cancel_during_the_prefill_frees_blocks_on_both_workers(
+    cluster, default_tokenizer
+) -> None:
+    """Cancelled while the prefill worker computes and writes the KV: it aborts the transfer,
+    releases its blocks once the writer stopped, and the decode worker frees its own."""
+    procs, ports = cluster
+    ids = default_tokenizer.encode("Tell me everything about the sea. " * 120)  # ~1,000 tokens
+    req = _request("cancel-in-prefill", ids, procs["prefill"].address, max_tokens=50)
+    async with grpc.aio.insecure_channel(procs["shm"].address) as ch:
+        call = worker_pb2_grpc.DecodeWorkerStub(ch).Generate(req, timeout=120)
+        await asyncio.sleep(0.3)  # the prompt is being computed
+        call.cancel()
+    # Both pools empty again: nothing leaked on either side (a prefix stays cached but
+    # unreferenced, which the usage gauge does not count).
+    assert await _wait_metric(ports["prefill"], "pdserve:kv_cache_usage_perc", 0.0, 15.0) == 0.0
+    assert await _wait_metric(ports["shm"], "pdserve:kv_cache_usage_perc", 0.0, 15.0) == 0.0
+    toks, _ = await _generate(
+        procs["shm"].address, _request("after-cancel", ids[:40], procs["prefill"].address)
+    )
+    assert len(toks) == MAX_TOKENS
+
+
 async def test_bad_input_gets_invalid_argument(cluster, prompts) -> None:
     procs, _ = cluster
     dec = procs["shm"].address

@@ -18,7 +18,14 @@ from typing import Any
 
 import torch
 
-from transfer import KVLayout, MemoryRegionHandle, RegionWriter, TransferResult, get_transport
+from transfer import (
+    KVLayout,
+    KVSource,
+    MemoryRegionHandle,
+    RegionWriter,
+    TransferResult,
+    get_transport,
+)
 from transfer.shm import sweep_stale_segments
 
 DST_SEED = 7
@@ -62,18 +69,26 @@ def expected_pool(
     return dst
 
 
+def source(layout: KVLayout = SRC_LAYOUT, seed: int = SRC_SEED) -> KVSource:
+    """A source pool of ``layout`` filled with the seeded pattern."""
+    return KVSource(pattern(layout.total_bytes, seed), layout)
+
+
 def push_requests(
     writer: RegionWriter, *, timeout: float = 10.0, moves: list | None = None
 ) -> list[TransferResult]:
-    """Write ``moves`` (default ``MOVES``) layer by layer, interleaved like a batched prefill."""
+    """Write ``moves`` (default ``MOVES``) layer by layer, interleaved like a batched prefill;
+    the results in order (the first failure raises)."""
     moves = MOVES if moves is None else moves
-    src = pattern(SRC_LAYOUT.total_bytes, SRC_SEED)
     deadline = time.monotonic() + timeout
-    jobs = [writer.begin(f"req-{i}", deadline=deadline) for i in range(len(moves))]
+    jobs = [
+        writer.begin(f"req-{i}", src_ids, dst_ids, deadline=deadline)
+        for i, (src_ids, dst_ids) in enumerate(moves)
+    ]
     for layer in LAYERS:
-        for job, (src_ids, dst_ids) in zip(jobs, moves, strict=True):
-            job.write_blocks(layer, src, SRC_LAYOUT, src_ids, dst_ids)
-    return [job.finish() for job in jobs]
+        for job in jobs:
+            job.write_layer(layer)
+    return [job.finish().result(timeout + 5) for job in jobs]
 
 
 def serve(conn: Connection, transport: str, opts: dict[str, Any], layout: dict) -> None:

@@ -1,34 +1,54 @@
-"""The job machinery both transports share (``transfer/sender.py``), on real regions.
+"""The job machinery both transports share (``transfer/writer.py``), on real regions.
 
-Writes that come with compute between them are moved by the sender thread while the
-caller computes; ``finish`` moves whatever is left itself; ``write_blocks`` copies a
-request's runs for many layers at once. Whatever path the bytes take, the destination must
-hold exactly the named blocks.
+One owner thread per writer moves every job's bytes; callers only post messages. Whatever
+order the layers come in and however many jobs share a writer, the destination must hold
+exactly the named blocks, and nobody but the owner thread changes a job's progress.
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 
+import transfer.writer
 from tests.transfer.target import (
     DST_LAYOUT,
     DST_SEED,
     SRC_LAYOUT,
-    SRC_SEED,
+    Target,
     blocks_view,
     expected_pool,
     pattern,
+    source,
     wait_until,
 )
-from transfer import KVLayout, KVRegion, RegionWriter, TransferError, get_transport, plan_ranges
+from transfer import (
+    JobState,
+    KVLayout,
+    KVRegion,
+    KVSource,
+    RegionWriter,
+    TransferError,
+    TransferResult,
+    TransferTimeout,
+    get_transport,
+)
+from transfer.writer import JobWork
 
 pytestmark = pytest.mark.timeout(60)
 
 SRC_IDS, DST_IDS = [0, 1, 2, 5], [5, 6, 0, 9]
+# 32 MiB a layer (16 blocks of 1 MiB, keys and values), 128 MiB in all: a copy that takes
+# a while, in several pieces of the shm writer.
+BIG = KVLayout(
+    num_layers=4, num_blocks=16, block_size=256, num_kv_heads=8, head_dim=128, dtype="float32"
+)
 
 
 @pytest.fixture(params=["shm", "tcp"])
@@ -37,262 +57,274 @@ def pair(request: pytest.FixtureRequest) -> Iterator[tuple[KVRegion, RegionWrite
     with get_transport(request.param) as target, get_transport(request.param) as initiator:
         region = target.register(DST_LAYOUT)
         region.tensor.copy_(pattern(DST_LAYOUT.total_bytes, DST_SEED))
-        yield region, initiator.connect(region.handle)
+        yield region, initiator.connect(region.handle, source())
 
 
 def _want(layers: list[int]) -> torch.Tensor:
     return expected_pool(DST_LAYOUT, SRC_LAYOUT, [(SRC_IDS, DST_IDS)], layers)
 
 
-def test_writes_between_compute_move_before_finish(pair: tuple[KVRegion, RegionWriter]) -> None:
-    region, writer = pair
-    src = pattern(SRC_LAYOUT.total_bytes, SRC_SEED)
-    job = writer.begin("req", deadline=time.monotonic() + 10)
-    for layer in range(3):
-        job.write_blocks(layer, src, SRC_LAYOUT, SRC_IDS, DST_IDS)
-        time.sleep(0.005)  # the next layer computes
-    # The sender thread took the first layers while the caller "computed".
-    assert wait_until(lambda: writer.stats().bytes > 0, 5)
-    job.write_blocks(3, src, SRC_LAYOUT, SRC_IDS, DST_IDS)  # finish() moves this one
-    result = job.finish()
-    per_layer = len(SRC_IDS) * 2 * SRC_LAYOUT.block_bytes
-    assert (result.bytes, result.layers) == (4 * per_layer, 4)
-    assert writer.stats().bytes == 4 * per_layer
-    assert torch.equal(region.tensor, _want([0, 1, 2, 3]))
+def _layer_landed(region: KVRegion, layer: int) -> bool:
+    want = blocks_view(_want([layer]), DST_LAYOUT)[layer]
+    return torch.equal(blocks_view(region.tensor, DST_LAYOUT)[layer], want)
 
 
-def test_finish_after_back_to_back_writes_moves_them_all(
+def test_layers_move_while_the_caller_computes_before_finish(
     pair: tuple[KVRegion, RegionWriter],
 ) -> None:
     region, writer = pair
-    src = pattern(SRC_LAYOUT.total_bytes, SRC_SEED)
-    for attempt in range(3):  # jobs one after the other on one writer
-        job = writer.begin(f"req-{attempt}", deadline=time.monotonic() + 10)
-        for layer in (0, 1, 2, 3):
-            job.write_blocks(layer, src, SRC_LAYOUT, SRC_IDS, DST_IDS)
-        assert job.finish().layers == 4
+    job = writer.begin("req", SRC_IDS, DST_IDS, deadline=time.monotonic() + 10)
+    for layer in range(3):
+        job.write_layer(layer)
+        # The owner moves the layer while the next one "computes": before finish().
+        assert wait_until(lambda layer=layer: _layer_landed(region, layer), 5)
+    assert job.state is JobState.TRANSFERRING
+    job.write_layer(3)
+    result = job.finish().result(10)
+    per_layer = len(SRC_IDS) * 2 * SRC_LAYOUT.block_bytes
+    assert (result.bytes, result.layers) == (4 * per_layer, 4)
+    assert 0 <= result.wait_seconds <= result.seconds
+    assert job.state is JobState.SUCCESS and job.error is None
+    assert torch.equal(region.tensor, _want([0, 1, 2, 3]))
+    stats = writer.stats()
+    assert (stats.bytes, stats.jobs, stats.failures) == (4 * per_layer, 1, 0)
+
+
+def test_jobs_one_after_the_other_with_layers_in_any_order(
+    pair: tuple[KVRegion, RegionWriter],
+) -> None:
+    region, writer = pair
+    for attempt, order in enumerate([(0, 1, 2, 3), (3, 1, 0, 2), (2, 0, 3, 1)]):
+        job = writer.begin(f"req-{attempt}", SRC_IDS, DST_IDS, deadline=time.monotonic() + 10)
+        for layer in order:
+            job.write_layer(layer)
+        assert job.finish().result(10).layers == 4
         assert torch.equal(region.tensor, _want([0, 1, 2, 3]))
         region.tensor.copy_(pattern(DST_LAYOUT.total_bytes, DST_SEED))
 
 
-def test_layers_in_any_order_mixed_with_explicit_writes(
+def test_only_written_layers_move_and_a_job_with_none_succeeds(
     pair: tuple[KVRegion, RegionWriter],
 ) -> None:
     region, writer = pair
-    src = pattern(SRC_LAYOUT.total_bytes, SRC_SEED)
-    job = writer.begin("req", deadline=time.monotonic() + 10)
-    job.write_blocks(2, src, SRC_LAYOUT, SRC_IDS, DST_IDS)
-    job.write(1, src, plan_ranges(SRC_LAYOUT, DST_LAYOUT, SRC_IDS, DST_IDS, 1))
-    job.write_blocks(0, src, SRC_LAYOUT, SRC_IDS, DST_IDS)
-    job.write_blocks(3, src, SRC_LAYOUT, [7], [11])  # another plan in the same job
-    job.write_blocks(3, src, SRC_LAYOUT, SRC_IDS, DST_IDS)
-    result = job.finish()
-    assert result.layers == 4
-    want = expected_pool(DST_LAYOUT, SRC_LAYOUT, [(SRC_IDS, DST_IDS), ([7], [11])], [0, 1, 2, 3])
-    # Block 7 -> 11 was written for layer 3 only: put back what the other layers had.
-    dst_blocks = want.view(DST_LAYOUT.num_layers, 2, DST_LAYOUT.num_blocks, -1)
-    before = pattern(DST_LAYOUT.total_bytes, DST_SEED).view_as(dst_blocks)
-    dst_blocks[:3, :, 11] = before[:3, :, 11]
-    assert torch.equal(region.tensor, want)
+    job = writer.begin("some", SRC_IDS, DST_IDS, deadline=time.monotonic() + 10)
+    job.write_layer(2)
+    assert job.finish().result(10).layers == 1
+    assert torch.equal(region.tensor, _want([2]))
+    empty = writer.begin("none", [], [], deadline=time.monotonic() + 10)
+    assert empty.finish().result(10).bytes == 0
 
 
-def test_finish_waits_for_the_batch_the_sender_is_moving() -> None:
-    # 8 MiB layers: the sender is mid-copy when finish() comes.
-    layout = KVLayout(
-        num_layers=6, num_blocks=4, block_size=256, num_kv_heads=8, head_dim=128, dtype="float32"
-    )
-    src = pattern(layout.total_bytes, SRC_SEED)
-    with get_transport("shm") as transport:
-        region = transport.register(layout)
-        writer = transport.connect(region.handle)
-        for attempt in range(3):
-            region.tensor.zero_()
-            job = writer.begin(f"big-{attempt}", deadline=time.monotonic() + 30)
-            for layer in range(layout.num_layers):
-                job.write_blocks(layer, src, layout, [0, 1, 2, 3], [3, 2, 1, 0])
-                time.sleep(0.001)
-            assert job.finish().bytes == layout.total_bytes
-            # finish() returned: every byte is in place, whoever moved it.
-            got = region.tensor.view(layout.num_layers, 2, 4, -1)
-            assert torch.equal(got, src.view_as(got)[:, :, [3, 2, 1, 0]])
-
-
-def test_a_source_smaller_than_its_layout_is_refused_by_name(
-    pair: tuple[KVRegion, RegionWriter],
-) -> None:
-    _, writer = pair
-    short = pattern(SRC_LAYOUT.total_bytes // 2, SRC_SEED)  # layers 2 and 3 are not in it
-    job = writer.begin("req", deadline=time.monotonic() + 10)
-    job.write_blocks(0, short, SRC_LAYOUT, SRC_IDS, DST_IDS)
-    with pytest.raises(TransferError, match=r"outside the \d+-byte src"):
-        job.write_blocks(3, short, SRC_LAYOUT, SRC_IDS, DST_IDS)
-    with pytest.raises(TransferError, match="layer 4 outside"):
-        job.write_blocks(4, short, SRC_LAYOUT, SRC_IDS, DST_IDS)
-    with pytest.raises(TransferError, match="destination block id 12"):
-        job.write_blocks(0, short, SRC_LAYOUT, SRC_IDS, [5, 6, 0, 12])
-    assert job.finish().layers == 1
-
-
-def test_same_id_tuples_reuse_the_plan_and_changed_ids_replan(
-    pair: tuple[KVRegion, RegionWriter], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import transfer.base
-
+def test_many_jobs_on_one_writer_in_parallel(pair: tuple[KVRegion, RegionWriter]) -> None:
+    """Eight threads, each a request of its own size into its own destination blocks, their
+    layers interleaving on one writer: every job is confirmed with its own byte count and
+    every block lands in its place."""
     region, writer = pair
-    src = pattern(SRC_LAYOUT.total_bytes, SRC_SEED)
-    planned: list[int] = []
-    real = transfer.base.plan_blocks
-
-    def counting(*args: object, **kwargs: object):
-        planned.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(transfer.base, "plan_blocks", counting)
-    src_ids, dst_ids = tuple(SRC_IDS), tuple(DST_IDS)
-    job = writer.begin("tuples", deadline=time.monotonic() + 10)
-    for layer in range(4):
-        job.write_blocks(layer, src, SRC_LAYOUT, src_ids, dst_ids)
-    assert len(planned) == 1  # the same tuples: planned once, then reused as they are
-    job.finish()
-    assert torch.equal(region.tensor, _want([0, 1, 2, 3]))
-    # A list is mutable: equal content reuses the plan, changed content is planned anew
-    # (an identity shortcut on a list could copy a changed request to stale blocks).
-    region.tensor.copy_(pattern(DST_LAYOUT.total_bytes, DST_SEED))
-    ids = list(DST_IDS)
-    job = writer.begin("lists", deadline=time.monotonic() + 10)
-    job.write_blocks(0, src, SRC_LAYOUT, SRC_IDS, ids)
-    ids[0] = 7
-    job.write_blocks(1, src, SRC_LAYOUT, SRC_IDS, ids)
-    assert len(planned) == 3
-    job.finish()
-    want = pattern(DST_LAYOUT.total_bytes, DST_SEED)
-    src_blocks, want_blocks = blocks_view(src, SRC_LAYOUT), blocks_view(want, DST_LAYOUT)
-    for layer, dsts in ((0, DST_IDS), (1, ids)):
-        for s, d in zip(SRC_IDS, dsts, strict=True):
-            want_blocks[layer, :, d] = src_blocks[layer, :, s]
-    assert torch.equal(region.tensor, want)
-
-
-def test_consecutive_layers_of_one_plan_queue_as_one_write(
-    pair: tuple[KVRegion, RegionWriter], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    region, writer = pair
-    src = pattern(SRC_LAYOUT.total_bytes, SRC_SEED)
-    moved: list[tuple[int, int, int]] = []  # (first layer, stop, bytes) of each write moved
-    real = writer._move_here  # type: ignore[attr-defined]
-
-    def recording(job: object, writes: list) -> None:
-        moved.extend((w.layer, w.stop, w.nbytes) for w in writes)
-        real(job, writes)
-
-    monkeypatch.setattr(writer, "_move_here", recording)
-    per_layer = len(SRC_IDS) * 2 * SRC_LAYOUT.block_bytes
-    ids = (tuple(SRC_IDS), tuple(DST_IDS))
-    job = writer.begin("spans", deadline=time.monotonic() + 10)
-    for layer in (0, 1, 2):
-        job.write_blocks(layer, src, SRC_LAYOUT, *ids)
-    job.write_blocks(0, src, SRC_LAYOUT, [7], [11])  # another plan: a write of its own
-    job.write_blocks(3, src, SRC_LAYOUT, *ids)  # not after layer 0 of that plan: its own
-    result = job.finish()
-    assert moved == [
-        (0, 3, 3 * per_layer),
-        (0, 1, 2 * SRC_LAYOUT.block_bytes),
-        (3, 4, per_layer),
+    sizes = [1, 2, 1, 2, 1, 2, 1, 2]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    moves = [
+        ([(i + k) % SRC_LAYOUT.num_blocks for k in range(n)], list(range(s, s + n)))
+        for i, (n, s) in enumerate(zip(sizes, starts, strict=True))
     ]
-    assert (result.bytes, result.layers) == (4 * per_layer + 2 * SRC_LAYOUT.block_bytes, 4)
-    want = expected_pool(DST_LAYOUT, SRC_LAYOUT, [(SRC_IDS, DST_IDS), ([7], [11])], [0, 1, 2, 3])
-    dst_blocks = want.view(DST_LAYOUT.num_layers, 2, DST_LAYOUT.num_blocks, -1)
-    before = pattern(DST_LAYOUT.total_bytes, DST_SEED).view_as(dst_blocks)
-    dst_blocks[1:, :, 11] = before[1:, :, 11]  # block 7 -> 11 went in layer 0 only
-    assert torch.equal(region.tensor, want)
+    results: dict[int, TransferResult] = {}
+
+    def request(i: int) -> None:
+        src_ids, dst_ids = moves[i]
+        job = writer.begin(f"par-{i}", src_ids, dst_ids, deadline=time.monotonic() + 20)
+        for layer in range(SRC_LAYOUT.num_layers):
+            job.write_layer(layer)
+            time.sleep(0.001 * (i % 3))
+        results[i] = job.finish().result(20)
+
+    threads = [threading.Thread(target=request, args=(i,)) for i in range(len(moves))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    per_block = 2 * SRC_LAYOUT.num_layers * SRC_LAYOUT.block_bytes
+    assert {i: r.bytes for i, r in results.items()} == {
+        i: n * per_block for i, n in enumerate(sizes)
+    }
+    layers = list(range(SRC_LAYOUT.num_layers))
+    assert torch.equal(region.tensor, expected_pool(DST_LAYOUT, SRC_LAYOUT, moves, layers))
+    assert writer.stats().jobs == len(moves)
 
 
-class _Clock:
-    """A monotonic clock the test advances by hand (the clock writes are stamped with)."""
-
-    def __init__(self) -> None:
-        self.now = time.monotonic()
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
-    import transfer.sender
-
-    fake = _Clock()
-    monkeypatch.setattr(transfer.sender, "_monotonic", fake)
-    return fake
-
-
-def test_back_to_back_writes_never_extend_a_write_the_sender_took(
-    pair: tuple[KVRegion, RegionWriter], clock: _Clock, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Back-to-back writes extend the open write without the writer's lock; once the sender
-    was handed the job, the next write must not touch what it took, however soon it comes."""
-    import threading
-
-    region, writer = pair
-    src = pattern(SRC_LAYOUT.total_bytes, SRC_SEED)
-    ids = (tuple(SRC_IDS), tuple(DST_IDS))
-    entered, release = threading.Event(), threading.Event()
-    taken: list[tuple[object, int, int]] = []  # (write, layer, stop) as the sender got them
-    real = writer._move  # type: ignore[attr-defined]
-
-    def held(job: object, writes: list) -> None:
-        if threading.current_thread() is threading.main_thread():
-            real(job, writes)  # finish() moving the rest (a transport may move here too)
-            return
-        taken.extend((w, w.layer, w.stop) for w in writes)
-        entered.set()
-        assert release.wait(10)
-        real(job, writes)
-
-    monkeypatch.setattr(writer, "_move", held)
-    job = writer.begin("handed", deadline=time.monotonic() + 30)
-    job.write_blocks(0, src, SRC_LAYOUT, *ids)
-    clock.advance(0.01)  # the next layer computed: this write hands layers 0-1 to the sender
-    job.write_blocks(1, src, SRC_LAYOUT, *ids)
-    assert entered.wait(10)
-    clock.advance(1e-6)  # back to back with the last write
-    job.write_blocks(2, src, SRC_LAYOUT, *ids)
-    release.set()
-    job.write_blocks(3, src, SRC_LAYOUT, *ids)
-    result = job.finish()
-    assert [(layer, stop) for _, layer, stop in taken] == [(0, 2)]
-    assert [(w.layer, w.stop) for w, _, _ in taken] == [(0, 2)]  # unchanged after it took it
-    assert result.layers == 4
-    assert torch.equal(region.tensor, _want([0, 1, 2, 3]))
-
-
-@pytest.mark.parametrize("end", ["finish", "abort", "close", "deadline"])
-def test_a_write_back_to_back_after_the_job_ended_is_refused(
-    pair: tuple[KVRegion, RegionWriter], clock: _Clock, end: str
+def test_a_jobs_progress_changes_only_on_its_writers_owner_thread(
+    pair: tuple[KVRegion, RegionWriter], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _, writer = pair
-    src = pattern(SRC_LAYOUT.total_bytes, SRC_SEED)
-    ids = (tuple(SRC_IDS), tuple(DST_IDS))
-    job = writer.begin("ended", deadline=clock.now + (30e-6 if end == "deadline" else 30))
-    job.write_blocks(0, src, SRC_LAYOUT, *ids)
-    clock.advance(1e-6)
-    job.write_blocks(1, src, SRC_LAYOUT, *ids)  # extends the open write
-    if end == "finish":
-        job = writer.begin("ended-f", deadline=time.monotonic() + 30)
-        job.write_blocks(0, src, SRC_LAYOUT, *ids)
-        job.finish()
-        error = "already finished"
-    elif end == "abort":
-        job.abort()
-        error = "aborted"
-    elif end == "close":
-        writer.close()
-        error = "closed"
-    else:
-        error = "missed its deadline"
-    clock.advance(40e-6)  # under WAKE_GAP_S since the last write; past the short deadline
-    with pytest.raises(TransferError, match=error):
-        job.write_blocks(1 if end == "finish" else 2, src, SRC_LAYOUT, *ids)
+    setters: set[int] = set()
+    real = JobWork.__setattr__
+
+    def recording(self: JobWork, name: str, value: object) -> None:
+        setters.add(threading.get_ident())
+        real(self, name, value)
+
+    monkeypatch.setattr(transfer.writer.JobWork, "__setattr__", recording)
+    jobs = [writer.begin(f"own-{i}", [i], [i], deadline=time.monotonic() + 10) for i in range(4)]
+    for layer in range(SRC_LAYOUT.num_layers):
+        for job in jobs:
+            job.write_layer(layer)
+    jobs[3].abort()
+    for job in jobs[:3]:
+        job.finish().result(10)
+    with pytest.raises(TransferError, match="aborted"):
+        jobs[3].outcome.result(10)
+    assert setters == {writer._thread.ident}  # type: ignore[attr-defined]
+
+
+def test_changing_a_jobs_progress_off_its_owner_thread_is_caught() -> None:
+    made: list[JobWork] = []
+    job = type("Job", (), {"outcome": None})()
+    thread = threading.Thread(target=lambda: made.append(JobWork(job)))  # type: ignore[arg-type]
+    thread.start()
+    thread.join()
+    with pytest.raises(AssertionError, match=r"JobWork\.pending set off its owner thread"):
+        made[0].pending = 1
+
+
+def test_bad_calls_fail_the_call_or_the_job_with_the_reason(
+    pair: tuple[KVRegion, RegionWriter],
+) -> None:
+    _, writer = pair
+    deadline = time.monotonic() + 10
+    with pytest.raises(TransferError, match="destination block id 12"):
+        writer.begin("ids", [0], [12], deadline=deadline)
+    with pytest.raises(TransferError, match="2 source blocks but 1"):
+        writer.begin("ids", [0, 1], [2], deadline=deadline)
+    with pytest.raises(TransferError, match="request_id"):
+        writer.begin("", [0], [0], deadline=deadline)
+    with pytest.raises(TransferError, match="deadline"):
+        writer.begin("nan", [0], [0], deadline=float("nan"))
+    job = writer.begin("layers", [0], [0], deadline=deadline)
+    with pytest.raises(TransferError, match="layer 4 outside"):
+        job.write_layer(4)
+    job.write_layer(1)
+    job.write_layer(1)
+    with pytest.raises(TransferError, match="layer 1 of 'layers' written twice"):
+        job.finish().result(10)
+    first = writer.begin("twice", [0], [0], deadline=deadline)
+    second = writer.begin("twice", [1], [1], deadline=deadline)
+    with pytest.raises(TransferError, match="already has a transfer in flight"):
+        second.outcome.result(10)
+    first.write_layer(0)
+    assert first.finish().result(10).layers == 1
+    assert writer.stats().failures == 1  # the double layer; the refused begin never ran
+
+
+def test_an_incompatible_source_is_refused_at_connect() -> None:
+    other = KVLayout(
+        num_layers=4, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=16, dtype="float32"
+    )
+    with get_transport("shm") as transport:
+        region = transport.register(DST_LAYOUT)
+        with pytest.raises(TransferError, match="head_dim 16 != 8"):
+            transport.connect(region.handle, source(other))
+        with pytest.raises(TransferError, match="flat contiguous uint8"):
+            KVSource(torch.zeros(SRC_LAYOUT.total_bytes // 4), SRC_LAYOUT)
+        with pytest.raises(TransferError, match="cannot hold"):
+            KVSource(torch.zeros(16, dtype=torch.uint8), SRC_LAYOUT)
+
+
+def test_close_fails_jobs_in_flight_and_refuses_new_ones(
+    pair: tuple[KVRegion, RegionWriter],
+) -> None:
+    _, writer = pair
+    live = writer.begin("live", [0], [0], deadline=time.monotonic() + 10)
+    live.write_layer(0)
+    writer.close()
+    with pytest.raises(TransferError, match="closed"):
+        live.finish().result(10)
+    with pytest.raises(TransferError, match="closed"):
+        writer.begin("late", [0], [0], deadline=time.monotonic() + 10)
+    assert writer.closed
+
+
+async def test_abort_from_the_event_loop_while_a_layer_is_mid_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The owner takes messages between the pieces of a long copy: an abort posted while a
+    layer is being copied stops it there, and once the outcome is in, nothing more lands."""
+    copied, resume = threading.Event(), threading.Event()
+    real_copyto = np.copyto
+
+    def copy_one_piece_then_wait(dst: np.ndarray, src: np.ndarray) -> None:
+        real_copyto(dst, src)
+        if not copied.is_set():
+            copied.set()
+            assert resume.wait(10)
+
+    monkeypatch.setattr(np, "copyto", copy_one_piece_then_wait)
+    with get_transport("shm") as transport:
+        region = transport.register(BIG)
+        writer = transport.connect(
+            region.handle, KVSource(torch.ones(BIG.total_bytes, dtype=torch.uint8), BIG)
+        )
+        blocks = list(range(BIG.num_blocks))
+        job = writer.begin("big", blocks, blocks, deadline=time.monotonic() + 30)
+        for layer in range(BIG.num_layers):
+            job.write_layer(layer)
+        assert await asyncio.to_thread(copied.wait, 10)
+        outcome = asyncio.wrap_future(job.abort("cancelled"))
+        await asyncio.sleep(0.05)  # the abort is queued while the piece is "in flight"
+        resume.set()
+        with pytest.raises(TransferError, match="'big' cancelled"):
+            await asyncio.wait_for(outcome, 10)
+        landed = int(region.tensor.count_nonzero())
+        assert 0 < landed < BIG.total_bytes  # stopped after the piece in flight
+        await asyncio.sleep(0.05)
+        assert int(region.tensor.count_nonzero()) == landed  # the writer stopped for good
+        assert writer.stats().bytes == landed
+        assert writer.stats().failures == 0  # an abort is not a failure
+
+
+def test_deadline_shorter_than_the_copy_times_out_and_the_writer_stays_usable() -> None:
+    with get_transport("shm") as transport:
+        region = transport.register(BIG)
+        src = KVSource(torch.ones(BIG.total_bytes, dtype=torch.uint8), BIG)
+        writer = transport.connect(region.handle, src)
+        blocks = list(range(BIG.num_blocks))
+        deadline = time.monotonic() + 0.002  # far less than 128 MiB of copies
+        job = writer.begin("slow", blocks, blocks, deadline=deadline)
+        for layer in range(BIG.num_layers):
+            job.write_layer(layer)
+        with pytest.raises(TransferTimeout, match="missed its deadline"):
+            job.finish().result(10)
+        assert time.monotonic() - deadline < 0.5
+        landed = int(region.tensor.count_nonzero())
+        assert landed < BIG.total_bytes
+        time.sleep(0.05)
+        assert int(region.tensor.count_nonzero()) == landed  # the owner stopped
+        assert writer.stats().failures == 1
+        fresh = writer.begin("next", [0], [0], deadline=time.monotonic() + 10)
+        fresh.write_layer(0)
+        assert fresh.finish().result(10).bytes == 2 * BIG.block_bytes
+
+
+def test_deadline_while_the_peer_is_stopped_then_the_writer_recovers() -> None:
+    """The tcp receiver stops reading mid-job: the job fails at its deadline (its frame is
+    half sent, so the connection goes), and the next job reconnects and lands."""
+    layout = KVLayout(
+        num_layers=2, num_blocks=16, block_size=256, num_kv_heads=8, head_dim=128, dtype="float32"
+    )  # 32 MiB a layer: far more than the socket buffers hold
+    blocks = list(range(layout.num_blocks))
+    with get_transport("tcp") as transport, Target("tcp", layout) as target:
+        writer = transport.connect(target.handle, source(layout))
+        target.pause()
+        try:
+            started = time.monotonic()
+            job = writer.begin("stuck", blocks, blocks, deadline=started + 0.5)
+            for layer in range(layout.num_layers):
+                job.write_layer(layer)
+            with pytest.raises(TransferTimeout, match="missed its deadline"):
+                job.finish().result(5)
+            assert 0.45 <= time.monotonic() - started < 1.5
+        finally:
+            target.resume()
+        assert writer.stats().failures == 1
+        job = writer.begin("after", blocks, blocks, deadline=time.monotonic() + 10)
+        for layer in range(layout.num_layers):
+            job.write_layer(layer)
+        assert job.finish().result(10).bytes == layout.total_bytes
+        assert target.verify(layout, [(blocks, blocks)], list(range(layout.num_layers))) == 0

@@ -1,4 +1,4 @@
-"""plan_ranges: block ids on both sides -> merged byte ranges of one layer, keys then values."""
+"""plan_blocks / plan_ranges: block ids on both sides -> merged byte runs, keys then values."""
 
 from __future__ import annotations
 
@@ -100,45 +100,6 @@ def test_bad_ids_and_layers_are_refused(
 ) -> None:
     with pytest.raises(TransferError, match=message):
         plan_ranges(SRC, DST, src_ids, dst_ids, layer)
-
-
-def test_write_blocks_shifts_one_plan_across_layers() -> None:
-    """``TransferJob.write_blocks`` plans once per job; every layer's ranges must equal
-    ``plan_ranges`` for that layer, in any layer order, and a new block list re-plans."""
-    from transfer.base import TransferJob
-    from transfer.handle import MemoryRegionHandle
-
-    src = KVLayout(num_layers=5, num_blocks=40, block_size=4, num_kv_heads=2, head_dim=8,
-                   dtype="float32")  # fmt: skip
-    dst = KVLayout(num_layers=5, num_blocks=23, block_size=4, num_kv_heads=2, head_dim=8,
-                   dtype="float32")  # fmt: skip
-    handle = MemoryRegionHandle("shm", "/dev/shm/pdserve-kv-x", dst.total_bytes, "k", dst, "r")
-
-    class Recording(TransferJob):
-        def __init__(self) -> None:
-            self.handle = handle
-            self.calls: list[tuple[int, list[tuple[int, int, int]]]] = []
-
-        def write(self, layer, src_tensor, ranges) -> None:
-            self.calls.append((layer, list(ranges)))
-
-        def finish(self):  # pragma: no cover - not used
-            raise NotImplementedError
-
-        def abort(self) -> None:  # pragma: no cover - not used
-            pass
-
-    job = Recording()
-    buf = torch.zeros(8, dtype=torch.uint8)
-    src_ids, dst_ids = [3, 4, 5, 9, 10, 30], [0, 1, 7, 8, 9, 22]
-    for layer in (2, 0, 4, 1, 3):
-        job.write_blocks(layer, buf, src, src_ids, dst_ids)
-    for layer, ranges in job.calls:
-        assert ranges == plan_ranges(src, dst, src_ids, dst_ids, layer)
-    job.write_blocks(1, buf, src, [11], [12])
-    assert job.calls[-1][1] == plan_ranges(src, dst, [11], [12], 1)
-    with pytest.raises(TransferError):
-        job.write_blocks(5, buf, src, [11], [12])
 
 
 def test_block_plan_gives_every_layers_ranges_from_one_set_of_runs() -> None:

@@ -16,16 +16,16 @@ from tests.transfer.target import (
     MOVE_BYTES,
     MOVES,
     SRC_LAYOUT,
-    SRC_SEED,
     Target,
     blocks_view,
     expected_pool,
     pattern,
     push_requests,
+    source,
     wait_until,
 )
 from transfer import KVLayout, MemoryRegionHandle, TransferError, TransferTimeout
-from transfer.tcp import TcpTransport
+from transfer.tcp import TcpTransport, TcpWork
 from transfer.tcp_frames import (
     HEADER,
     HEADER_SIZE,
@@ -49,8 +49,9 @@ def _closed_by_peer(sock: socket.socket, within: float = 5.0) -> bool:
 
 def test_writes_land_exactly_in_a_target_process() -> None:
     with TcpTransport() as transport, Target("tcp", DST_LAYOUT) as target:
-        writer = transport.connect(target.handle)
-        assert transport.connect(target.handle) is writer  # cached per region
+        src = source()
+        writer = transport.connect(target.handle, src)
+        assert transport.connect(target.handle, src) is writer  # cached per region and source
         results = push_requests(writer)
         assert [r.bytes for r in results] == MOVE_BYTES
         assert [r.layers for r in results] == [3, 3]
@@ -70,7 +71,7 @@ def test_writes_land_exactly_in_a_target_process() -> None:
 
 def test_target_that_stops_reading_times_out_then_the_writer_recovers() -> None:
     with TcpTransport() as transport, Target("tcp", DST_LAYOUT) as target:
-        writer = transport.connect(target.handle)
+        writer = transport.connect(target.handle, source())
         target.pause()  # SIGSTOP: frames sit in socket buffers, no ack ever comes
         started = time.monotonic()
         try:
@@ -92,18 +93,15 @@ def test_target_that_stops_reading_times_out_then_the_writer_recovers() -> None:
 
 def test_target_killed_mid_transfer_fails_fast_not_by_timeout() -> None:
     with TcpTransport() as transport, Target("tcp", DST_LAYOUT) as target:
-        writer = transport.connect(target.handle)
-        src = pattern(SRC_LAYOUT.total_bytes, SRC_SEED)
-        job = writer.begin("req", deadline=time.monotonic() + 10)
-        job.write_blocks(0, src, SRC_LAYOUT, [0, 1], [2, 3])
-        time.sleep(0.01)  # "computing": the next write hands both to the sender thread
-        job.write_blocks(1, src, SRC_LAYOUT, [0, 1], [2, 3])
-        assert wait_until(lambda: writer.stats().bytes > 0, 5)
+        writer = transport.connect(target.handle, source())
+        job = writer.begin("req", [0, 1], [2, 3], deadline=time.monotonic() + 10)
+        job.write_layer(0)
+        job.write_layer(1)
         target.kill()
         started = time.monotonic()
+        job.write_layer(2)
         with pytest.raises(TransferError, match=r"lost|failed") as failure:
-            job.write_blocks(2, src, SRC_LAYOUT, [0, 1], [2, 3])
-            job.finish()
+            job.finish().result(10)
         assert not isinstance(failure.value, TransferTimeout)
         assert time.monotonic() - started < 2.0
         assert writer.stats().failures == 1
@@ -132,11 +130,11 @@ def test_bad_frames_close_only_their_connection() -> None:
         # A writer holding a handle with the wrong key cannot write either.
         forged = dataclasses.replace(region.handle, key="00" * 16, region_id="forged")
         with pytest.raises(TransferError, match="lost"):
-            push_requests(transport.connect(forged))
+            push_requests(transport.connect(forged, source()))
         assert torch.equal(region.tensor, before)
         assert transport.rejected_connections == len(garbage) + 1
 
-        results = push_requests(transport.connect(region.handle))
+        results = push_requests(transport.connect(region.handle, source()))
         assert [r.bytes for r in results] == MOVE_BYTES
         assert torch.equal(region.tensor, expected_pool(DST_LAYOUT, SRC_LAYOUT, MOVES, LAYERS))
         silent.close()
@@ -182,7 +180,7 @@ def test_malformed_and_truncated_frames_are_rejected_with_a_reason(
         # Every rejection but the first names the region's key: its failures count them.
         assert region.stats().failures == len(bad) - 1
         region.tensor[landed] = before[landed]
-        results = push_requests(transport.connect(region.handle))
+        results = push_requests(transport.connect(region.handle, source()))
         assert [r.bytes for r in results] == MOVE_BYTES
         assert torch.equal(region.tensor, expected_pool(DST_LAYOUT, SRC_LAYOUT, MOVES, LAYERS))
 
@@ -202,7 +200,7 @@ def test_receiver_drops_clients_that_go_silent() -> None:
             assert _closed_by_peer(idle)  # between frames: idle_timeout
             assert 0.45 <= time.monotonic() - started < 2.0
         # A writer whose idle connection was closed reconnects on its next job.
-        writer = transport.connect(region.handle)
+        writer = transport.connect(region.handle, source())
         time.sleep(0.8)
         results = push_requests(writer)
         assert [r.bytes for r in results] == MOVE_BYTES
@@ -212,29 +210,16 @@ def test_large_ranges_arrive_intact() -> None:
     layout = KVLayout(
         num_layers=2, num_blocks=4, block_size=64, num_kv_heads=8, head_dim=128, dtype="float32"
     )  # 256 KiB blocks: a 3-block run is a 768 KiB frame, larger than one recv
-    src = pattern(layout.total_bytes, SRC_SEED)
+    src = source(layout)
     with TcpTransport() as target_side, TcpTransport() as initiator:
         region = target_side.register(layout)
-        job = initiator.connect(region.handle).begin("big", deadline=time.monotonic() + 10)
+        writer = initiator.connect(region.handle, src)
+        job = writer.begin("big", [0, 1, 2, 3], [1, 2, 3, 0], deadline=time.monotonic() + 10)
         for layer in range(layout.num_layers):
-            job.write_blocks(layer, src, layout, [0, 1, 2, 3], [1, 2, 3, 0])
-        assert job.finish().bytes == layout.total_bytes
-        got, want = blocks_view(region.tensor, layout), blocks_view(src, layout)
+            job.write_layer(layer)
+        assert job.finish().result(10).bytes == layout.total_bytes
+        got, want = blocks_view(region.tensor, layout), blocks_view(src.tensor, layout)
         assert torch.equal(got[:, :, [1, 2, 3, 0]], want)
-
-
-def test_writes_outside_the_region_are_refused_before_sending() -> None:
-    with TcpTransport() as transport:
-        region = transport.register(DST_LAYOUT)
-        writer = transport.connect(region.handle)
-        length = region.handle.length
-        src = torch.ones(length, dtype=torch.uint8)
-        job = writer.begin("req", deadline=time.monotonic() + 10)
-        for bad in [(0, length - 10, 11), (0, -1, 4), (length, 0, 1)]:
-            with pytest.raises(TransferError, match=r"outside|negative"):
-                job.write(0, src, [(0, 0, 16), bad])
-        assert job.finish().bytes == 0
-        assert region.stats().bytes == 0 and int(region.tensor.count_nonzero()) == 0
 
 
 def test_unreachable_target_fails_connect_quickly() -> None:
@@ -247,51 +232,34 @@ def test_unreachable_target_fails_connect_quickly() -> None:
     with TcpTransport() as transport:
         started = time.monotonic()
         with pytest.raises(TransferError, match="cannot connect"):
-            transport.connect(handle)
+            transport.connect(handle, source())
         assert time.monotonic() - started < 2.0
         with pytest.raises(TransferError, match="32 hex digits"):
-            transport.connect(dataclasses.replace(handle, key="nothex"))
+            transport.connect(dataclasses.replace(handle, key="nothex"), source())
         with pytest.raises(TransferError, match="host:port"):
-            transport.connect(dataclasses.replace(handle, address="localhost"))
+            transport.connect(dataclasses.replace(handle, address="localhost"), source())
 
 
-def test_finish_sends_the_end_with_the_last_data_frame_and_counts_it_right(
+def test_an_ack_that_does_not_match_what_was_sent_fails_the_job(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import transfer.tcp
-
-    sends: list[list[int]] = []  # the buffer sizes of each sendmsg the writer made
-    real_send = transfer.tcp.send_views
-
-    def recording(sock: socket.socket, views: list, **kwargs: object) -> None:
-        sends.append([len(memoryview(v)) for v in views])
-        real_send(sock, views, **kwargs)
-
-    monkeypatch.setattr(transfer.tcp, "send_views", recording)
-    src = pattern(SRC_LAYOUT.total_bytes, SRC_SEED)
-    with TcpTransport() as transport, Target("tcp", DST_LAYOUT) as target:
-        writer = transport.connect(target.handle)
-        # The receiver's ack may be read before the sending thread counts its last frame:
-        # slow that count down, so the ack comes first every time.
-        real_moved = writer._moved  # type: ignore[attr-defined]
-
-        def late(job: object, count: int) -> None:
-            time.sleep(0.05)
-            real_moved(job, count)
-
-        monkeypatch.setattr(writer, "_moved", late)
-        job = writer.begin("req", deadline=time.monotonic() + 10)
+    with TcpTransport() as transport:
+        region = transport.register(DST_LAYOUT)
+        writer = transport.connect(region.handle, source())
+        job = writer.begin("req", *MOVES[0], deadline=time.monotonic() + 10)
         for layer in LAYERS:
-            job.write_blocks(layer, src, SRC_LAYOUT, *MOVES[0])
-        result = job.finish()
-        assert result.bytes == MOVE_BYTES[0]
-        # One sendmsg for the whole job: header and range list, the payloads, then END.
-        assert len(sends) == 1
-        head, *payloads, end = sends[0]
-        assert head == HEADER_SIZE + 16 * len(payloads) and end == HEADER_SIZE
-        assert sum(payloads) == MOVE_BYTES[0]
-        assert target.verify(SRC_LAYOUT, MOVES[:1], LAYERS) == 0
-        assert target.stats().jobs == 1
+            job.write_layer(layer)
+        # The receiver counts what it received; an END declaring more must not pass.
+        real_end = writer._end  # type: ignore[attr-defined]
+
+        def inflated(work: TcpWork) -> None:
+            work.framed += 1
+            real_end(work)
+
+        monkeypatch.setattr(writer, "_end", inflated)
+        with pytest.raises(TransferError, match=r"receiver got \d+ bytes of 'req', \d+ were sent"):
+            job.finish().result(10)
+        assert region.stats().failures == 1
 
 
 def _congestion(sock: socket.socket) -> str:
@@ -307,10 +275,10 @@ def test_writers_send_with_the_chosen_congestion_control_and_a_refused_one_fails
     chosen = next((name for name in allowed if name != system), system)
     with Target("tcp", DST_LAYOUT) as target:
         with TcpTransport() as transport:
-            writer = transport.connect(target.handle)
+            writer = transport.connect(target.handle, source())
             assert _congestion(writer._conn.sock) == system  # type: ignore[attr-defined]
         with TcpTransport(congestion=chosen) as transport:
-            writer = transport.connect(target.handle)
+            writer = transport.connect(target.handle, source())
             assert _congestion(writer._conn.sock) == chosen  # type: ignore[attr-defined]
             results = push_requests(writer)
             assert [r.bytes for r in results] == MOVE_BYTES

@@ -1,0 +1,380 @@
+"""One owner thread per writer: it alone touches the writer's mapping or socket and every
+job's progress; other threads only post messages to it.
+
+Messages (any thread -> owner, through one queue and a wake-up eventfd): ``begin``,
+``layer``, ``finish``, ``abort``. The owner's loop: take the messages -> move the bytes of
+written layers (the transport's ``_move``) -> fail jobs past their deadline -> wait for a
+message, socket readiness or the next deadline.
+
+Lifecycle of one job, each stage a set the owner keeps: begun -> started (the transport
+checked its target, ``_start``) -> layers pending (written, not moved) -> moved -> ending
+(``finish`` came and every written layer moved: ``_end``) -> SUCCESS (the transport
+confirmed it: ``_succeed``), or FAILED at any point (``_fail``: deadline, abort, peer gone).
+A failed job's outcome resolves once the transport holds none of its bytes in motion
+(``_drop`` says if one frame must finish first; the transport then calls ``_resolve``).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import selectors
+import threading
+import time
+import weakref
+from abc import abstractmethod
+from collections.abc import Callable, Sequence
+
+import structlog
+
+from transfer.base import (
+    KVSource,
+    RegionWriter,
+    TransferJob,
+    TransferResult,
+    TransferStats,
+)
+from transfer.errors import TransferError, TransferTimeout
+from transfer.handle import MemoryRegionHandle
+from transfer.plan import plan_blocks
+
+log = structlog.get_logger(__name__)
+
+_CLOSE_TIMEOUT_S = 5.0
+
+
+class Owned:
+    """State that one thread alone may change: setting an attribute from any other thread is
+    a bug, which an assert catches (``python -O`` drops the check). The owner is the thread
+    that made the object."""
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_owner", threading.get_ident())
+
+    if __debug__:
+
+        def __setattr__(self, name: str, value: object) -> None:
+            assert threading.get_ident() == self._owner, (
+                f"{type(self).__name__}.{name} set off its owner thread"
+            )
+            object.__setattr__(self, name, value)
+
+
+class JobWork(Owned):
+    """A job's progress, made and changed by its writer's owner thread only."""
+
+    def __init__(self, job: TransferJob) -> None:
+        super().__init__()
+        self.job = job
+        self.written = 0  # bit i: layer i was written
+        self.pending = 0  # written, not yet moved
+        self.bytes_moved = 0
+        self.ending = False  # finish() came
+        self.ended = False  # _end ran
+        self.error: TransferError | None = None  # set once: the job failed
+        self.first_write_at: float | None = None
+        self.finish_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or self.job.outcome.done()
+
+
+def lowest_run(mask: int) -> tuple[int, int]:
+    """``(start, stop)`` of the lowest run of set bits in ``mask`` (> 0): layers to move
+    together."""
+    start = (mask & -mask).bit_length() - 1
+    stop = start
+    while mask >> stop & 1:
+        stop += 1
+    return start, stop
+
+
+class OwnerThreadWriter(RegionWriter):
+    """A ``RegionWriter`` whose jobs live on one owner thread; transports fill in the hooks,
+    which all run on that thread. Subclasses call ``_launch()`` at the end of ``__init__``."""
+
+    def __init__(self, handle: MemoryRegionHandle, source: KVSource) -> None:
+        super().__init__(handle, source)
+        self._inbox: queue.SimpleQueue[tuple[str, TransferJob, object]] = queue.SimpleQueue()
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # Closed when the writer is collected, never by close(): a late post from another
+        # thread must not write into a reused descriptor.
+        weakref.finalize(self, os.close, self._wake)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._wake, selectors.EVENT_READ, self._on_wake)
+        self._closing = threading.Event()
+        # Orders posts against close(): a message posted before closing is set is in the
+        # inbox when the owner takes its last messages, so every begun job gets an outcome.
+        self._post_lock = threading.Lock()
+        self._works: dict[str, JobWork] = {}  # owner thread only; in begin order
+        self._stats = TransferStats()  # replaced whole by the owner; read by anyone
+        self._thread = threading.Thread(
+            target=self._run, name=f"kv-writer-{handle.region_id[:8]}", daemon=True
+        )
+
+    def _launch(self) -> None:
+        self._thread.start()
+
+    # --- any thread ----------------------------------------------------------------------
+
+    def begin(
+        self,
+        request_id: str,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        *,
+        deadline: float,
+    ) -> TransferJob:
+        if not isinstance(request_id, str) or not request_id:
+            raise TransferError(f"request_id must be a non-empty string, got {request_id!r}")
+        if (
+            not isinstance(deadline, int | float)
+            or isinstance(deadline, bool)
+            or deadline != deadline
+        ):
+            raise TransferError(f"deadline must be time.monotonic() seconds, got {deadline!r}")
+        if self._closing.is_set():
+            raise self._closed_error()
+        plan = plan_blocks(self.source.layout, self.handle.layout, src_block_ids, dst_block_ids)
+        job = TransferJob(self, request_id, plan, float(deadline))
+        self.post(("begin", job, None))
+        return job
+
+    def post(self, message: tuple[str, TransferJob, object]) -> None:
+        with self._post_lock:
+            if self._closing.is_set():
+                if message[0] == "begin":  # never reached the owner: fail it here
+                    message[1].outcome.set_exception(self._closed_error())
+                return  # a job posted to before: the owner failed it at close
+            self._inbox.put(message)
+            # Only a message into an empty inbox can find the owner asleep: a burst of
+            # layers wakes it once, not once a layer (each wake-up is a thread switch).
+            wake = self._inbox.qsize() == 1
+        if wake:
+            os.eventfd_write(self._wake, 1)
+
+    def stats(self) -> TransferStats:
+        return self._stats
+
+    def _closed_error(self) -> TransferError:
+        return TransferError(f"writer to region {self.handle.region_id} is closed")
+
+    @property
+    def closed(self) -> bool:
+        return self._closing.is_set()
+
+    def close(self) -> None:
+        with self._post_lock:
+            if self._closing.is_set():
+                return
+            self._closing.set()
+        os.eventfd_write(self._wake, 1)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(_CLOSE_TIMEOUT_S)
+
+    # --- transport hooks (owner thread) ------------------------------------------------
+
+    def _new_work(self, job: TransferJob) -> JobWork:
+        return JobWork(job)
+
+    def _start(self, work: JobWork) -> None:
+        """A job begins: raise ``TransferError`` if its target is known to be gone."""
+
+    @abstractmethod
+    def _move(self) -> None:
+        """Move what the started jobs have pending (``_moved`` for each layer run taken).
+        May take messages in between (``_take_messages``) so an abort stops a long copy."""
+
+    @abstractmethod
+    def _end(self, work: JobWork) -> None:
+        """Every written layer of an ending job moved: confirm it (``_succeed``) now, or
+        arrange for it before its deadline."""
+
+    def _drop(self, work: JobWork) -> bool:
+        """``work`` failed: forget its queued bytes. True if some are still in motion and
+        the transport will call ``_resolve(work)`` when they stopped."""
+        return False
+
+    def _wait_timeout(self) -> float | None:
+        """0 when the transport has bytes it can move now; else None (wait)."""
+        return None
+
+    def _release(self) -> None:
+        """The owner is exiting: release the mapping or socket."""
+
+    # --- owner thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._closing.is_set():
+                self._take_messages()
+                self._move()
+                self._end_ready()
+                self._expire(time.monotonic())
+                for key, events in self._selector.select(self._next_wait()):
+                    key.data(events)
+        except Exception as exc:  # a bug or an OS failure: fail every job, never hang
+            log.exception("kv_writer_failed", region=self.handle.region_id)
+            self._fail_all(
+                TransferError(f"writer to region {self.handle.region_id} failed: {exc!r}")
+            )
+        finally:
+            with self._post_lock:
+                self._closing.set()
+            self._take_messages()  # begun before closing: failed below with the rest
+            self._fail_all(self._closed_error())
+            self._release()
+            self._selector.close()
+
+    def _on_wake(self, events: int) -> None:
+        try:
+            os.eventfd_read(self._wake)
+        except BlockingIOError:
+            pass
+
+    def _next_wait(self) -> float | None:
+        timeout = self._wait_timeout()
+        if timeout == 0 or not self._works:
+            return timeout
+        soonest = min(w.job.deadline for w in self._works.values()) - time.monotonic()
+        return max(0.0, soonest) if timeout is None else min(timeout, max(0.0, soonest))
+
+    def _take_messages(self) -> None:
+        while True:
+            try:
+                kind, job, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "begin":
+                self._on_begin(job)
+                continue
+            work = self._works.get(job.request_id)
+            if work is None or work.job is not job:
+                continue  # the job ended already; its outcome says how
+            if kind == "layer":
+                self._on_layer(work, arg)  # type: ignore[arg-type]
+            elif kind == "finish" and not work.ending:
+                work.ending = True
+                work.finish_at = time.monotonic()
+            elif kind == "abort":
+                self._fail(
+                    work, TransferError(f"transfer of {job.request_id!r} {arg}"), aborted=True
+                )
+
+    def _on_begin(self, job: TransferJob) -> None:
+        if job.request_id in self._works:
+            job.outcome.set_exception(
+                TransferError(f"request {job.request_id!r} already has a transfer in flight")
+            )
+            return
+        work = self._new_work(job)
+        try:
+            self._start(work)
+        except TransferError as exc:
+            job.outcome.set_exception(exc)
+            return
+        self._works[job.request_id] = work
+
+    def _on_layer(self, work: JobWork, layer: int) -> None:
+        bit = 1 << layer
+        if work.written & bit:
+            self._fail(
+                work, TransferError(f"layer {layer} of {work.job.request_id!r} written twice")
+            )
+            return
+        if work.ending:
+            self._fail(
+                work, TransferError(f"layer {layer} of {work.job.request_id!r} after finish()")
+            )
+            return
+        if work.first_write_at is None:
+            work.first_write_at = time.monotonic()
+        work.written |= bit
+        work.pending |= bit
+
+    def _moved(self, work: JobWork, start: int, stop: int) -> None:
+        """Layers ``[start, stop)`` of ``work`` left its pending set (transports count the
+        bytes in ``work.bytes_moved`` as they go)."""
+        work.pending &= ~((1 << stop) - (1 << start))
+
+    def _end_ready(self) -> None:
+        for work in list(self._works.values()):
+            if work.ending and not work.pending and not work.ended and not work.done:
+                work.ended = True
+                try:
+                    self._end(work)
+                except TransferError as exc:
+                    self._fail(work, exc)
+
+    def _expire(self, now: float) -> None:
+        for work in list(self._works.values()):
+            if now > work.job.deadline and not work.done:
+                self._fail(work, self._timeout(work))
+
+    def _timeout(self, work: JobWork) -> TransferTimeout:
+        written = bin(work.written).count("1")
+        return TransferTimeout(
+            f"transfer of {work.job.request_id!r} to region {self.handle.region_id} missed its "
+            f"deadline: {work.bytes_moved} of {written * work.job.plan.layer_bytes} bytes moved"
+            + (", awaiting confirmation" if work.ended else "")
+        )
+
+    def _succeed(self, work: JobWork) -> None:
+        if work.done:
+            return
+        now = time.monotonic()
+        first = work.first_write_at if work.first_write_at is not None else now
+        finish_at = work.finish_at if work.finish_at is not None else now
+        self._forget(work)
+        s = self._stats
+        self._stats = TransferStats(
+            s.bytes + work.bytes_moved, s.seconds + now - first, s.jobs + 1, s.failures
+        )
+        work.job.outcome.set_result(
+            TransferResult(
+                bytes=work.bytes_moved,
+                seconds=now - first,
+                layers=bin(work.written).count("1"),
+                wait_seconds=now - finish_at,
+            )
+        )
+
+    def _fail(self, work: JobWork, error: TransferError, *, aborted: bool = False) -> None:
+        if work.done:
+            return
+        work.error = error
+        self._forget(work)
+        s = self._stats
+        self._stats = TransferStats(
+            s.bytes + work.bytes_moved, s.seconds, s.jobs, s.failures + (0 if aborted else 1)
+        )
+        if not self._drop(work):
+            self._resolve(work)
+
+    def _resolve(self, work: JobWork) -> None:
+        """A failed job's bytes stopped moving: its outcome may resolve now."""
+        assert work.error is not None
+        if not work.job.outcome.done():
+            work.job.outcome.set_exception(work.error)
+
+    def _forget(self, work: JobWork) -> None:
+        if self._works.get(work.job.request_id) is work:
+            del self._works[work.job.request_id]
+
+    def _fail_all(self, error: TransferError) -> None:
+        for work in list(self._works.values()):
+            self._fail(work, error)
+
+    def _watch(self, fileobj: object, events: int, callback: Callable[[int], None]) -> None:
+        """Have the loop call ``callback(events)`` when ``fileobj`` is ready."""
+        try:
+            self._selector.modify(fileobj, events, callback)  # type: ignore[arg-type]
+        except KeyError:
+            self._selector.register(fileobj, events, callback)  # type: ignore[arg-type]
+
+    def _unwatch(self, fileobj: object) -> None:
+        try:
+            self._selector.unregister(fileobj)  # type: ignore[arg-type]
+        except (KeyError, ValueError):
+            pass
