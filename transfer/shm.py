@@ -46,11 +46,9 @@ _PAGE = mmap.PAGESIZE
 def populate(mapping: mmap.mmap) -> None:
     """Map every page of ``mapping`` into this process now, without changing its bytes.
 
-    A fresh mapping of a segment is empty: each 4 KiB page costs a fault on its first
-    touch, ~0.7 ms per MiB here (a 1,040-token request's 46 MiB of KV: ~30 ms). Left to
-    the first decode step that reads a newly arrived request's KV, that stalls every
-    stream in the batch. So the owner populates its mapping once, when it registers the
-    region at startup (~0.25 ms per MiB)."""
+    A fresh mapping faults on each page's first touch; left to the first decode step that
+    reads a newly arrived request's KV, that stalls every stream in the batch (measured in
+    docs/benchmarks.md). So the owner populates its mapping once, at registration."""
     try:
         mapping.madvise(_MADV_POPULATE_WRITE)
         return

@@ -8,8 +8,8 @@ Every frame starts with one fixed 48-byte header (network byte order)::
 - DATA (writer -> receiver): ``count`` ranges (1 to ``MAX_RANGES``) carrying ``length``
   payload bytes in all. The header is followed by the range list, ``count`` pairs of
   (region offset u64, byte count u64), then the ranges' payloads back to back in list order.
-  One DATA frame carries one ``write`` (a whole layer of a request), so the receiver does
-  its per-frame work once per layer, not once per block run.
+  A writer packs a job's ranges (of one or several layers) into frames of about
+  ``FRAME_BYTES``.
 - END (writer -> receiver): the job is complete; ``length`` is the byte count the writer sent.
 - ABORT (writer -> receiver): forget the job's partial count.
 - ACK (receiver -> writer): answer to END; ``status`` OK or MISMATCH, ``length`` bytes seen.
@@ -23,10 +23,11 @@ rejected with "unsupported frame version 1".
 ``key`` is the region's secret from its handle (a stray client cannot write into memory);
 the job tag is unique per job on one connection (the writer counts them).
 
-Sockets stay in blocking mode (no Python-level timeout, so no ``poll`` before each call); a
-kernel timeout (``SO_RCVTIMEO`` / ``SO_SNDTIMEO``, see ``set_io_tick``) makes a call that
-waits longer than one tick return, so the loops below check a stop flag, a deadline or an
-inactivity limit between calls without costing anything while bytes flow.
+The receiver's sockets stay in blocking mode (no Python-level timeout, so no ``poll`` before
+each call); a kernel timeout (``SO_RCVTIMEO`` / ``SO_SNDTIMEO``, see ``set_io_tick``) makes a
+call that waits longer than one tick return, so the loops below check a stop flag, a
+deadline or an inactivity limit between calls without costing anything while bytes flow.
+(The writer's socket is non-blocking, on its owner thread's selector: ``transfer/tcp.py``.)
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ MAX_RANGES = 512
 IOV_MAX = 1024
 # How long one blocked socket call waits before its loop checks stop flags and deadlines.
 POLL_SECONDS = 0.05
-# A writer cuts a write's ranges into frames of about this many bytes (a range is never
-# split): measured on loopback, ~1 MiB frames beat both one frame per range and one frame
-# per layer or per request, as the two ends' per-frame work overlaps the bytes in flight.
+# A writer cuts a job's ranges into frames of about this many bytes (a range is never
+# split): big enough to amortize a frame's work, small enough that the two ends' per-frame
+# work overlaps the bytes in flight (docs/benchmarks.md, transfer).
 FRAME_BYTES = 1 << 20
 
 

@@ -345,18 +345,20 @@ class OwnerThreadWriter(RegionWriter):
             return
         work.error = error
         self._forget(work)
-        s = self._stats
-        self._stats = TransferStats(
-            s.bytes + work.bytes_moved, s.seconds, s.jobs, s.failures + (0 if aborted else 1)
-        )
+        if not aborted:
+            s = self._stats
+            self._stats = TransferStats(s.bytes, s.seconds, s.jobs, s.failures + 1)
         if not self._drop(work):
             self._resolve(work)
 
     def _resolve(self, work: JobWork) -> None:
-        """A failed job's bytes stopped moving: its outcome may resolve now."""
+        """A failed job's bytes stopped moving: count them, and let its outcome resolve."""
         assert work.error is not None
-        if not work.job.outcome.done():
-            work.job.outcome.set_exception(work.error)
+        if work.job.outcome.done():
+            return
+        s = self._stats
+        self._stats = TransferStats(s.bytes + work.bytes_moved, s.seconds, s.jobs, s.failures)
+        work.job.outcome.set_exception(work.error)
 
     def _forget(self, work: JobWork) -> None:
         if self._works.get(work.job.request_id) is work:
