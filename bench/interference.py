@@ -59,10 +59,11 @@ class Mode:
 def modes_for(args: argparse.Namespace) -> list[Mode]:
     threads = str(args.threads)
     common = ("--kv-cache-mib", str(args.kv_cache_mib), "--max-num-seqs", "64")
-    colocated = ("--colocated", "--threads-per-worker", threads, *common)
+    # a colocated worker's threads float over the machine's cores (--no-pin)
+    colocated = ("--colocated", "--no-pin", "--threads", threads, *common)
     chunked = ("--chunked-prefill", str(args.chunk))
     first_core = str(min(os.sched_getaffinity(0)))
-    disaggregated = ("--prefill", "1", "--decode", "1", "--pin", "--threads-per-worker", "1")
+    disaggregated = ("--prefill", "1", "--decode", "1", "--pin", "--threads", "1")
     # redis, scheduler and gateway share the prefill worker's core: the decode core is the
     # decode worker's alone (a colocated worker has no core to spare, so there they float).
     disaggregated += ("--control-cpus", first_core)
@@ -110,16 +111,14 @@ class ModeRun:
 def pdserve_stack(mode: Mode, log_dir: Path) -> Iterator[str]:
     """``pdserve up`` with the mode's flags (same code path); yields the OpenAI base URL."""
     from services.launcher import Stack, free_port
-    from services.up import add_up_flags, launch
+    from services.up import launch, load_up_config
 
-    parser = argparse.ArgumentParser()
-    add_up_flags(parser)
-    up_args = parser.parse_args(
+    up = load_up_config(
         [*mode.up_flags, "--http-port", str(free_port()), "--grpc-port", str(free_port())]
     )
     stack = Stack(log_dir=log_dir)
     try:
-        endpoints = launch(up_args, stack)
+        endpoints = launch(up, stack)
         yield endpoints["http"].removesuffix("/v1")
     finally:
         stack.stop()

@@ -1,1 +1,2 @@
-"""pdserve's wire API: Python stubs generated from ``protos/`` (see ``pdserve.v1``)."""
+"""pdserve's wire API, Python stubs generated from ``protos/`` (``pdserve.v1``), and the
+``pdserve`` command line (``pdserve.cli``)."""

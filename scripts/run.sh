@@ -9,4 +9,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 question=${1:-"What is the capital of France?"}
-exec "${PYTHON:-python3}" -m services.cli up --smoke "$question" --http-port 0 --grpc-port 0
+exec "${PYTHON:-python3}" -m pdserve.cli up --smoke "$question" --http-port 0 --grpc-port 0

@@ -1,29 +1,30 @@
-"""The ``pdserve`` command line.
+"""The service commands of the ``pdserve`` command line (``pdserve/cli.py`` adds the
+bench commands; ``python -m services.cli`` runs these alone).
 
 Subcommands:
   generate   run the colocated engine in this process and stream one completion
   up         start the local stack (redis, scheduler, workers, gateway) as processes
-  bench      load-test an OpenAI-compatible server (TTFT, ITL, throughput, goodput)
-  plan       size prefill/decode workers for a workload from a measured profile
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from engine.errors import EngineError
-from services.common.engine_args import add_engine_flags, engine_config
+from services.common import settings
+from services.common.engine_args import EngineArgs
+
+Registrar = Callable[[Any], None]  # adds subcommands to an argparse subparsers object
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pdserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def add_commands(sub: Any) -> None:
+    """Add ``generate`` and ``up`` to ``sub`` (``ArgumentParser.add_subparsers()``)."""
+    gen = sub.add_parser(
+        "generate", help="stream one completion from the colocated engine", allow_abbrev=False
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="stream one completion from the colocated engine")
     gen.add_argument("prompt", help="the prompt text (a user message with --chat)")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
@@ -34,72 +35,35 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    add_engine_flags(gen)
-    gen.set_defaults(func=_cmd_generate)
-    up = sub.add_parser("up", help="start the local stack (redis, scheduler, workers, gateway)",
-                        description=_up_doc())  # fmt: skip
-    from services.up import add_up_flags
+    settings.add_arguments(gen, EngineArgs)
+    gen.set_defaults(func=_cmd_generate, parser=gen)
 
-    add_up_flags(up)
-    up.set_defaults(func=_cmd_up)
-    bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server",
-                           description=_bench_doc(),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    from bench.serve.cli import add_bench_flags
-
-    add_bench_flags(bench)
-    bench.set_defaults(func=_cmd_bench)
-    plan = sub.add_parser("plan", help="size prefill/decode workers (or `plan profile`)",
-                          description=_plan_doc(),
-                          formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    from bench.plan.cli import add_plan_flags
-
-    add_plan_flags(plan)
-    plan.set_defaults(func=_cmd_plan)
-    return parser
-
-
-def _bench_doc() -> str:
-    from bench.serve import cli
-
-    return cli.__doc__ or ""
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from bench.serve.cli import run_bench
-
-    return run_bench(args)
-
-
-def _plan_doc() -> str:
-    from bench.plan import cli
-
-    return cli.__doc__ or ""
-
-
-def _cmd_plan(args: argparse.Namespace) -> int:
-    from bench.plan.cli import run_plan
-
-    return run_plan(args)
-
-
-def _up_doc() -> str:
     from services import up
 
-    return up.__doc__ or ""
+    up_parser = sub.add_parser(
+        "up",
+        help="start the local stack (redis, scheduler, workers, gateway)",
+        description=up.__doc__,
+        epilog=settings.env_help("up"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    settings.add_arguments(up_parser, up.UpConfig)
+    up_parser.set_defaults(func=_cmd_up, parser=up_parser)
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from services.up import run_up
+    from services.up import UpConfig, run_up
 
-    return run_up(args)
+    return run_up(settings.from_namespace(UpConfig, "up", args, args.parser))
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(engine_config(args))
+    engine_args = settings.from_namespace(EngineArgs, "generate", args, args.parser)
+    engine = LLMEngine(engine_args.engine_config())
     prompt = args.prompt
     if args.chat:
         messages = []
@@ -130,8 +94,23 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def build_parser(
+    description: str | None = __doc__, registrars: Sequence[Registrar] = ()
+) -> argparse.ArgumentParser:
+    """The command line: ``add_commands`` and then each of ``registrars``."""
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    sub = parser.add_subparsers(dest="command", required=True)
+    for register in (add_commands, *registrars):
+        register(sub)
+    return parser
+
+
+def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run the subcommand it names; its exit status."""
+    args = parser.parse_args(argv)
     try:
         return int(args.func(args))
     except EngineError as e:
@@ -139,6 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(build_parser(), argv)
 
 
 if __name__ == "__main__":

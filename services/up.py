@@ -3,71 +3,117 @@
 Disaggregated (default): redis-server, the scheduler, ``--prefill`` prefill workers,
 ``--decode`` decode workers and the gateway, each its own process. ``--colocated``: one
 colocated worker (prefill and decode in one engine) behind the same scheduler and gateway:
-the baseline. ``--pin`` gives each worker its own CPU core (``pin_plan``: decode workers
-first, on cores outside ``--control-cpus`` first, so the latency-critical token loop is the
-last to share a core with the control plane); the core is the engine thread's, and the
-worker's I/O threads may also use control cores no worker computes on
-(``worker_placement``).
+the baseline. Every worker gets the same engine settings (``EngineArgs``, passed on by
+``settings.to_argv``).
+
+Layout (``--pin``, the default; ``--no-pin`` lets the OS place everything): each worker
+gets its own CPU core (``pin_plan``: decode workers first, on cores outside
+``--control-cpus`` first, so the latency-critical token loop is the last to share a core
+with the control plane); the core is the engine thread's, and the worker's I/O threads may
+also use control cores no worker computes on (``worker_placement``). The control plane
+(redis, scheduler, gateway) runs on ``--control-cpus``: by default, with ``--pin`` on a
+machine of two or more cores, its first core.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
 import sys
 import threading
 import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common import settings
 from services.common.config import cpu_list, tcp_congestion
+from services.common.engine_args import EngineArgs
+from services.common.settings import setting
 from services.launcher import Proc, Stack, default_log_dir, free_port, py, redis_proc
 
-
-def add_up_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--colocated", action="store_true", help="one colocated worker (baseline)")
-    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers")
-    p.add_argument("--decode", type=int, default=1, metavar="N", help="decode workers")
-    p.add_argument("--transport", default="shm",
-                   help="KV data plane of the decode workers: shm or tcp, or a comma list "
-                   "given to them round-robin (e.g. shm,tcp)")  # fmt: skip
-    p.add_argument("--kv-tcp-congestion", type=tcp_congestion, default=None, metavar="NAME",
-                   help="prefill workers: TCP congestion control of tcp KV connections "
-                   "(e.g. reno; default: the system's)")  # fmt: skip
-    p.add_argument("--heartbeat-ttl", type=float, default=3.0, metavar="SECONDS",
-                   help="the scheduler drops a worker silent this long")  # fmt: skip
-    p.add_argument("--host", default="127.0.0.1", help="address every service binds")
-    p.add_argument("--http-port", type=int, default=8000, help="gateway OpenAI HTTP port")
-    p.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port")
-    p.add_argument("--scheduler-port", type=int, default=0, help="scheduler gRPC (0: free)")
-    p.add_argument("--redis-port", type=int, default=0, help="redis-server port (0: free)")
-    p.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker")
-    p.add_argument("--pin", action="store_true",
-                   help="pin each worker to its own CPU core (decode workers first, "
-                   "away from --control-cpus first); when some control cores run no "
-                   "worker, only each worker's engine thread is held to its core, and its "
-                   "event loop, gRPC and KV sender threads may also run on those")  # fmt: skip
-    p.add_argument("--control-cpus", type=cpu_list, default=None, metavar="CPUS",
-                   help="pin redis, the scheduler and the gateway to these cores "
-                   "(comma list, e.g. 0; default: not pinned)")  # fmt: skip
-    p.add_argument("--kv-cache-mib", type=int, default=512, help="KV pool per worker")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--chunked-prefill", type=int, default=0, metavar="TOKENS",
-                   help="colocated worker: chunk prompts (0: off)")  # fmt: skip
-    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
-    p.add_argument("--log-dir", type=Path, default=None, help="per-process logs (default: tmp)")
-    p.add_argument("--echo-logs", action="store_true", help="copy every process log to stderr")
-    p.add_argument("--smoke", nargs="?", const="What is the capital of France?", default=None,
-                   metavar="QUESTION",
-                   help="send one streaming chat request through the gateway, print the "
-                   "answer and stop")  # fmt: skip
+TRANSPORTS = ("shm", "tcp")
+SMOKE_QUESTION = "What is the capital of France?"
 
 
-def prefill_flags(args: argparse.Namespace) -> list[str]:
+@dataclass(frozen=True)
+class UpConfig:
+    """What ``pdserve up`` starts. ``ValueError`` for a stack that cannot run."""
+
+    colocated: bool = setting(False, "one colocated worker (the baseline)")
+    prefill: int = setting(1, "prefill workers", metavar="N")
+    decode: int = setting(1, "decode workers", metavar="N")
+    transport: tuple[str, ...] = setting(
+        ("shm",),
+        "KV data plane of the decode workers: shm or tcp, or a comma list given to them "
+        "round-robin (e.g. shm,tcp)",
+    )
+    kv_tcp_congestion: str | None = setting(
+        None,
+        "prefill workers: TCP congestion control of tcp KV connections (e.g. reno; default: "
+        "the system's)",
+        parse=tcp_congestion,
+        metavar="NAME",
+    )
+    heartbeat_ttl_s: float = setting(
+        3.0, "the scheduler drops a worker silent this long", metavar="SECONDS"
+    )
+    host: str = setting("127.0.0.1", "address every service binds")
+    http_port: int = setting(8000, "gateway OpenAI HTTP port (0: a free one)")
+    grpc_port: int = setting(50051, "gateway gRPC port (0: a free one)")
+    scheduler_port: int = setting(0, "scheduler gRPC port (0: a free one)")
+    redis_port: int = setting(0, "redis-server port (0: a free one)")
+    pin: bool = setting(
+        True,
+        "pin each worker to its own CPU core (decode workers first, away from "
+        "--control-cpus first); when some control cores run no worker, only each worker's "
+        "engine thread is held to its core, and its event loop, gRPC and KV sender threads "
+        "may also run on those",
+    )
+    control_cpus: frozenset[int] | None = setting(
+        None,
+        "pin redis, the scheduler and the gateway to these cores (comma list; default: the "
+        "first core when --pin and the machine has two or more, else not pinned)",
+        parse=cpu_list,
+        metavar="CPUS",
+    )
+    log_dir: str | None = setting(None, "per-process logs (default: a new temporary directory)")
+    echo_logs: bool = setting(False, "copy every process log to stderr")
+    smoke: str | None = setting(
+        None,
+        "send one streaming chat request through the gateway (default question: "
+        f"{SMOKE_QUESTION!r}), print the answer and stop",
+        const=SMOKE_QUESTION,
+        metavar="QUESTION",
+    )
+    engine: EngineArgs = field(default_factory=EngineArgs)
+
+    def __post_init__(self) -> None:
+        if not self.colocated and (self.prefill < 1 or self.decode < 1):
+            raise ValueError("need at least one prefill and one decode worker")
+        bad = sorted(set(self.transport) - set(TRANSPORTS))
+        if bad or not self.transport:
+            raise ValueError(f"transport must name shm or tcp, got {list(self.transport)}")
+
+    def control_cores(self, cores: Sequence[int]) -> frozenset[int] | None:
+        """The cores of redis, the scheduler and the gateway on a machine with ``cores``."""
+        if self.control_cpus is not None:
+            return self.control_cpus
+        return frozenset({min(cores)}) if self.pin and len(cores) >= 2 else None
+
+
+def load_up_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> UpConfig:
+    """``pdserve up``'s flags over ``PDSERVE_UP_*`` over defaults; exits 2 on a bad value."""
+    return settings.load(UpConfig, "up", argv, environ, prog="pdserve up", description=__doc__)
+
+
+def prefill_flags(cfg: UpConfig) -> list[str]:
     """The flags of ours every prefill worker is started with (beyond the common ones)."""
-    if args.kv_tcp_congestion:
-        return ["--kv-tcp-congestion", args.kv_tcp_congestion]
+    if cfg.kv_tcp_congestion:
+        return ["--kv-tcp-congestion", cfg.kv_tcp_congestion]
     return []
 
 
@@ -113,87 +159,61 @@ def worker_placement(
     return {core} | spare, ["--engine-cpus", str(core)]
 
 
-def _engine_args(args: argparse.Namespace) -> list[str]:
-    out = ["--kv-cache-mib", str(args.kv_cache_mib), "--threads", str(args.threads_per_worker),
-           "--max-num-seqs", str(args.max_num_seqs)]  # fmt: skip
-    if args.model:
-        out += ["--model", args.model]
-    return out
-
-
-def launch(args: argparse.Namespace, stack: Stack) -> dict[str, str]:
+def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
     """Start everything and wait until it serves; returns the endpoints."""
     workdir = stack.log_dir
-    redis_port = args.redis_port or free_port()
-    control = args.control_cpus
+    redis_port = cfg.redis_port or free_port()
+    cores = sorted(os.sched_getaffinity(0))
+    control = cfg.control_cores(cores)
     redis = redis_proc(redis_port, workdir)
     redis.cpus = control
     stack.start(redis, ready_line="Ready to accept connections")
-    sched_port = args.scheduler_port or free_port()
+    sched_port = cfg.scheduler_port or free_port()
     sched = stack.start(Proc("scheduler", py(
-        "services.scheduler", "--grpc-host", args.host, "--grpc-port", str(sched_port),
+        "services.scheduler", "--grpc-host", cfg.host, "--grpc-port", str(sched_port),
         "--metrics-port", "0", "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
-        "--heartbeat-ttl", str(args.heartbeat_ttl),
+        "--heartbeat-ttl-s", str(cfg.heartbeat_ttl_s),
     ), control))  # fmt: skip
     stack.wait_ready(stack.procs)
     names = (
         ["colocated-0"]
-        if args.colocated
-        else [f"prefill-{i}" for i in range(args.prefill)]
-        + [f"decode-{i}" for i in range(args.decode)]
+        if cfg.colocated
+        else [f"prefill-{i}" for i in range(cfg.prefill)]
+        + [f"decode-{i}" for i in range(cfg.decode)]
     )
-    plan = pin_plan(names, sorted(os.sched_getaffinity(0)), control) if args.pin else {}
-
+    plan = pin_plan(names, cores, control) if cfg.pin else {}
     placement = {name: worker_placement(name, plan, control) for name in names}
-
-    def cpus(name: str) -> set[int] | None:
-        return placement[name][0]
-
-    def pin(name: str) -> list[str]:
-        return placement[name][1]
-
-    common = ["--host", args.host, "--port", "0", "--scheduler", sched.address,
-              "--heartbeat-interval", "0.5"]  # fmt: skip
+    engine = settings.to_argv(cfg.engine)
+    common = ["--host", cfg.host, "--port", "0", "--scheduler", sched.address,
+              "--heartbeat-interval-s", "0.5", *engine]  # fmt: skip
     metrics: dict[str, str] = {}
 
-    def metrics_flag(name: str) -> list[str]:
+    def start_worker(name: str, module: str, *flags: str) -> Proc:
         port = free_port()
-        metrics[name] = f"http://{args.host}:{port}/metrics"
-        return ["--metrics-port", str(port)]
+        metrics[name] = f"http://{cfg.host}:{port}/metrics"
+        cpus, pin = placement[name]
+        argv = py(module, *common, "--worker-id", name, *flags, *pin, "--metrics-port", str(port))
+        return stack.start(Proc(name, argv, cpus))
 
     workers: list[Proc] = []
-    if args.colocated:
-        extra = ["--chunked-prefill", str(args.chunked_prefill)] if args.chunked_prefill else []
-        workers.append(stack.start(Proc("colocated-0", py(
-            "services.decode", "--role", "colocated", *common, *_engine_args(args), *extra,
-            *pin("colocated-0"), *metrics_flag("colocated-0"),
-        ), cpus("colocated-0"))))  # fmt: skip
+    if cfg.colocated:
+        workers.append(start_worker("colocated-0", "services.decode", "--role", "colocated"))
     else:
-        prefill_extra = prefill_flags(args)
-        for i in range(args.prefill):
-            workers.append(stack.start(Proc(f"prefill-{i}", py(
-                "services.prefill", *common, "--worker-id", f"prefill-{i}", *_engine_args(args),
-                *prefill_extra, *pin(f"prefill-{i}"), *metrics_flag(f"prefill-{i}"),
-            ), cpus(f"prefill-{i}"))))  # fmt: skip
-        transports = [t.strip() for t in args.transport.split(",") if t.strip()]
-        for i in range(args.decode):
-            workers.append(stack.start(Proc(f"decode-{i}", py(
-                "services.decode", *common, "--worker-id", f"decode-{i}",
-                "--transport", transports[i % len(transports)], *_engine_args(args),
-                *pin(f"decode-{i}"), *metrics_flag(f"decode-{i}"),
-            ), cpus(f"decode-{i}"))))  # fmt: skip
-    gw = ["--host", args.host, "--http-port", str(args.http_port),
-          "--grpc-port", str(args.grpc_port),
-          "--backend", "cluster", "--scheduler", sched.address]  # fmt: skip
-    if args.model:
-        gw += ["--model", args.model]
+        for i in range(cfg.prefill):
+            workers.append(start_worker(f"prefill-{i}", "services.prefill", *prefill_flags(cfg)))
+        for i in range(cfg.decode):
+            transport = cfg.transport[i % len(cfg.transport)]
+            workers.append(start_worker(f"decode-{i}", "services.decode", "--transport", transport))
+    gw = ["--host", cfg.host, "--http-port", str(cfg.http_port),
+          "--grpc-port", str(cfg.grpc_port),
+          "--backend", "cluster", "--scheduler", sched.address, *engine]  # fmt: skip
     stack.wait_ready(workers)
     gateway = stack.start(Proc("gateway", py("services.gateway", *gw), control))
     stack.wait_ready([gateway])
-    _wait_placeable(args, gateway.address)
+    _wait_placeable(gateway.address)
     return {
         "http": f"http://{gateway.address}/v1",
-        "grpc": _field(gateway.ready_text, "grpc") or f"{args.host}:{args.grpc_port}",
+        "grpc": _field(gateway.ready_text, "grpc") or f"{cfg.host}:{cfg.grpc_port}",
         "scheduler": sched.address,
         "redis": f"redis://127.0.0.1:{redis_port}/0",
         "logs": str(stack.log_dir),
@@ -209,7 +229,7 @@ def _field(ready_line: str, key: str) -> str:
     return ""
 
 
-def _wait_placeable(args: argparse.Namespace, address: str, timeout: float = 30.0) -> None:
+def _wait_placeable(address: str, timeout: float = 30.0) -> None:
     """Workers register asynchronously: wait until the gateway reports healthy."""
     import time
 
@@ -251,30 +271,24 @@ def smoke(base_url: str, question: str) -> str:
     return "".join(text)
 
 
-def run_up(args: argparse.Namespace) -> int:
-    if not args.colocated and (args.prefill < 1 or args.decode < 1):
-        print("pdserve up: need at least one prefill and one decode worker", file=sys.stderr)
-        return 2
-    bad = {t.strip() for t in args.transport.split(",")} - {"shm", "tcp"}
-    if bad:
-        print(f"pdserve up: unknown transport(s) {sorted(bad)}; use shm or tcp", file=sys.stderr)
-        return 2
-    log_dir = args.log_dir or default_log_dir()
+def run_up(cfg: UpConfig) -> int:
+    log_dir = Path(cfg.log_dir) if cfg.log_dir else default_log_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
-    stack = Stack(log_dir=log_dir, echo=args.echo_logs)
+    stack = Stack(log_dir=log_dir, echo=cfg.echo_logs)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        endpoints = launch(args, stack)
-        mode = "colocated" if args.colocated else (
-            f"disaggregated: {args.prefill} prefill + {args.decode} decode over {args.transport}"
+        endpoints = launch(cfg, stack)
+        mode = "colocated" if cfg.colocated else (
+            f"disaggregated: {cfg.prefill} prefill + {cfg.decode} decode over "
+            f"{','.join(cfg.transport)}"
         )  # fmt: skip
         print(f"pdserve is up ({mode})", file=sys.stderr)
         for k, v in endpoints.items():
             print(f"  {k:<19} {v}", file=sys.stderr)
-        if args.smoke is not None:
-            print(f"> {args.smoke}", file=sys.stderr)
-            smoke(endpoints["http"], args.smoke)
+        if cfg.smoke is not None:
+            print(f"> {cfg.smoke}", file=sys.stderr)
+            smoke(endpoints["http"], cfg.smoke)
             return 0
         print("Ctrl-C stops everything.", file=sys.stderr)
         while not stop.wait(0.5):

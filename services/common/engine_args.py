@@ -1,85 +1,80 @@
-"""Engine flags shared by every command and service that runs an engine."""
+"""``EngineArgs``: the engine's settings, declared once for every command that runs or
+starts an engine (prefill and decode workers, the gateway's local backend, ``pdserve
+generate``, ``pdserve up``, compose), each default written here and nowhere else.
+"""
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.common.config import cpu_list
+from services.common.settings import setting
 
 if TYPE_CHECKING:
     from engine.llm_engine import EngineConfig
 
-
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument(
-        "--model",
-        default=None,
-        help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)",
-    )
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--kv-cache-mib", type=int, default=1024, help="KV pool size in MiB")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument(
-        "--chunked-prefill",
-        type=int,
-        default=0,
-        metavar="TOKENS",
-        help="split prompts into chunks of this many tokens (0: off)",
-    )
-    g.add_argument("--no-prefix-caching", action="store_true")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
-def add_worker_flags(p: argparse.ArgumentParser) -> None:
-    """The threads of a worker process (prefill, decode): where the engine thread runs and
-    how long the event loop may wait for the GIL."""
-    g = p.add_argument_group("worker threads")
-    g.add_argument(
-        "--engine-cpus",
-        type=cpu_list,
-        default=None,
-        metavar="CPUS",
-        help="pin the engine thread (and the torch threads it starts) to these cores (comma "
-        "list). The event loop, gRPC and KV sender threads keep all the process's cores, so "
-        "with more cores than these they run beside a step's compute instead of waiting "
-        "for the CPU (pdserve up --pin --control-cpus sets this to the worker's core and "
-        "starts the worker on that core plus the control cores no worker computes on; "
-        "default: not pinned)",
+@dataclass(frozen=True)
+class EngineArgs:
+    """What shapes one engine. ``ValueError`` on a value no engine can take."""
+
+    model: str | None = setting(
+        None, "GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)"
     )
-    g.add_argument(
-        "--switch-interval-ms",
-        type=_positive_ms,
-        default=0.5,
-        metavar="MS",
-        help="Python's thread switch interval. The engine thread holds the GIL in its Python "
-        "parts; this bounds how long the gRPC/event-loop thread waits to send a token "
-        "(Python's default is 5 ms; default here: %(default)s)",
+    dtype: str = setting("float32", "weights' and activations' dtype", choices=DTYPES)
+    threads: int | None = setting(
+        None,
+        "torch intra-op threads (default: one per core of --engine-cpus when the engine "
+        "thread is pinned, else torch's choice: one per core the process may use)",
+    )
+    block_size: int = setting(16, "tokens per KV block (a power of two)")
+    # 512 MiB holds a whole 8,192-token SmolLM2 context in float32 with room to spare, and
+    # `pdserve up` runs several engines on one host.
+    kv_cache_mib: int = setting(512, "KV pool size in MiB")
+    max_model_len: int | None = setting(None, "context length (default: the checkpoint's)")
+    max_num_seqs: int = setting(64, "most sequences in the running batch")
+    chunked_prefill: int = setting(
+        0, "split prompts into chunks of this many tokens (0: off)", metavar="TOKENS"
+    )
+    prefix_caching: bool = setting(True, "reuse the KV of shared prompt prefixes")
+    cpu_kernels: bool = setting(
+        True,
+        "use the compiled CPU kernels (oneDNN packed linears, C++ paged attention) where "
+        "they apply; --no-cpu-kernels: the torch reference only",
     )
 
+    def __post_init__(self) -> None:
+        for name in ("block_size", "kv_cache_mib", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        for name in ("threads", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.chunked_prefill < 0:
+            raise ValueError(f"chunked_prefill must be >= 0, got {self.chunked_prefill}")
 
-def _positive_ms(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 100:
-        raise argparse.ArgumentTypeError(f"must be in (0, 100] ms, got {text}")
-    return value
+    def engine_config(self, cpus: frozenset[int] | None = None) -> EngineConfig:
+        """The ``EngineConfig`` of an engine whose thread runs on ``cpus`` (None: wherever
+        the process may run)."""
+        from engine.llm_engine import EngineConfig  # lazy: keeps torch out of --help
 
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    from engine.llm_engine import EngineConfig  # lazy: keeps --help fast
-
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        kv_cache_bytes=args.kv_cache_mib << 20,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        chunked_prefill=args.chunked_prefill > 0,
-        max_num_batched_tokens=args.chunked_prefill or None,
-        enable_prefix_caching=not args.no_prefix_caching,
-        num_threads=args.threads,
-    )
+        return EngineConfig(
+            model=self.model,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            kv_cache_bytes=self.kv_cache_mib << 20,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            chunked_prefill=self.chunked_prefill > 0,
+            max_num_batched_tokens=self.chunked_prefill or None,
+            enable_prefix_caching=self.prefix_caching,
+            # A pinned engine thread's torch threads share its cores: more than one per
+            # core would only take turns.
+            num_threads=self.threads or (len(cpus) if cpus else None),
+            cpu_kernels=self.cpu_kernels,
+        )

@@ -1,16 +1,17 @@
-"""The process shell of an engine worker (prefill, decode or colocated).
+"""The part of the process shell only engine workers (prefill, decode, colocated) have.
 
 receive (gRPC servicer) -> schedule/execute (AsyncEngine thread) -> postprocess (servicer);
-plus registration and heartbeats to the scheduler, metrics, and the SIGTERM drain.
+plus registration and heartbeats to the scheduler, metrics, and the drain of in-flight
+requests (the rest of the shell is ``services.common.process``).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import sys
+import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 import torch
@@ -19,10 +20,11 @@ from engine.async_engine import AsyncEngine
 from engine.kv_cache import KVCacheSpec
 from engine.llm_engine import LLMEngine
 from pdserve.v1 import common_pb2, scheduler_pb2
-from services.common import metrics
-from services.common.engine_args import engine_config
+from services.common import metrics, process
+from services.common.engine_args import EngineArgs
 from services.common.registration import Registrar
-from services.common.serving import GrpcService, host_id, start_metrics
+from services.common.tuning import Tuning
+from services.common.worker_args import WorkerArgs
 
 log = structlog.get_logger(__name__)
 
@@ -33,27 +35,39 @@ _ROLES = {
 }
 
 
+def host_id() -> str:
+    """Identifies the machine: shm transfer only works between workers with equal host ids."""
+    return socket.gethostname()
+
+
 def build_engine(
-    args: argparse.Namespace, kv_memory: Callable[[KVCacheSpec], torch.Tensor] | None = None
-) -> LLMEngine:
+    args: EngineArgs,
+    tuning: Tuning,
+    kv_memory: Callable[[KVCacheSpec], torch.Tensor] | None = None,
+    **options: Any,
+) -> AsyncEngine:
+    """The worker's engine, driven by its own thread laid out by ``tuning`` (not started
+    yet); ``options``: further ``AsyncEngine`` arguments."""
     t0 = time.monotonic()
-    engine = LLMEngine(engine_config(args), kv_memory=kv_memory)
+    engine = LLMEngine(args.engine_config(tuning.engine_cpus), kv_memory=kv_memory)
     log.info("engine_ready", seconds=round(time.monotonic() - t0, 2),
              kv_blocks=engine.blocks.num_blocks, max_model_len=engine.max_model_len)  # fmt: skip
-    return engine
+    return AsyncEngine(engine, **tuning.engine_options(), **options)
 
 
 def worker_info(
-    args: argparse.Namespace, role: str, svc: GrpcService, engine: LLMEngine, transports: list[str]
+    args: WorkerArgs,
+    role: str,
+    server: process.GrpcServer,
+    engine: LLMEngine,
+    transports: list[str],
 ) -> common_pb2.WorkerInfo:
-    metrics_addr = (
-        f"{svc.address.rsplit(':', 1)[0]}:{args.metrics_port}" if args.metrics_port else ""
-    )
+    host = server.address.rsplit(":", 1)[0]
     return common_pb2.WorkerInfo(
-        worker_id=args.worker_id or f"{role}-{host_id()}-{svc.port}",
+        worker_id=args.worker_id or f"{role}-{host_id()}-{server.port}",
         role=_ROLES[role],
-        grpc_address=svc.address,
-        metrics_address=metrics_addr,
+        grpc_address=server.address,
+        metrics_address=f"{host}:{args.metrics_port}" if args.metrics_port else "",
         transports=transports,
         model=engine.model_config.name,
         capacity=common_pb2.WorkerCapacity(
@@ -82,19 +96,6 @@ def load_snapshot(aengine: AsyncEngine, role: str) -> scheduler_pb2.LoadSnapshot
     )
 
 
-def apply_switch_interval(args: argparse.Namespace) -> float:
-    """Set this process's thread switch interval from ``--switch-interval-ms``.
-
-    A worker has two busy threads: the engine thread (Python between torch ops) and the
-    event loop that streams tokens over gRPC. When one wants the GIL the other holds, it
-    waits up to the switch interval, so Python's 5 ms default lands directly on the P99 of
-    every token's delivery. Returns the interval set, in seconds.
-    """
-    interval = args.switch_interval_ms / 1000.0
-    sys.setswitchinterval(interval)
-    return sys.getswitchinterval()
-
-
 def step_observer(role: str) -> Callable[[str, float, int], None]:
     """An ``AsyncEngine.on_step`` hook feeding ``pdserve:engine_step_seconds``."""
     series = {kind: metrics.ENGINE_STEP_SECONDS.labels(role, kind) for kind in ("step", "prefill")}
@@ -106,16 +107,15 @@ def step_observer(role: str) -> Callable[[str, float, int], None]:
 
 
 async def serve_worker(
-    args: argparse.Namespace,
+    args: WorkerArgs,
     role: str,
-    svc: GrpcService,
+    server: process.GrpcServer,
     aengine: AsyncEngine,
     transports: list[str],
     inflight: Callable[[], int],
 ) -> None:
     """Run until SIGTERM; then stop taking work and wait for in-flight requests."""
-    apply_switch_interval(args)
-    start_metrics(args.metrics_port, args.host)
+    process.start_metrics(args.metrics_port, args.host)
     aengine.on_step = step_observer(role)
     metrics.DELIVERY_WAIT_TIMEOUTS.labels(role)  # exported at 0 from the start
     aengine.start()
@@ -133,10 +133,10 @@ async def serve_worker(
     background = [publish_gauges()]
     registrar = None
     if args.scheduler:
-        info = worker_info(args, role, svc, aengine.engine, transports)
+        info = worker_info(args, role, server, aengine.engine, transports)
         registrar = Registrar(
             args.scheduler, info, lambda: load_snapshot(aengine, role),
-            interval_s=args.heartbeat_interval,
+            interval_s=args.heartbeat_interval_s,
         )  # fmt: skip
         background.append(registrar.run())
 
@@ -147,7 +147,13 @@ async def serve_worker(
         while inflight() > 0:
             await asyncio.sleep(0.05)
 
-    # the address printed here is what `pdserve up` and tests wait for
-    print(f"READY {role} {svc.address}", flush=True)
-    await svc.run(grace=args.drain_timeout, on_drain=drain, background=background)
-    await aengine.stop()
+    try:
+        await process.serve(
+            server,
+            role=role,
+            drain_timeout_s=args.drain_timeout_s,
+            on_drain=drain,
+            background=background,
+        )
+    finally:
+        await aengine.stop()

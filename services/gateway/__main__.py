@@ -4,14 +4,13 @@ Start-up: build the backend (``--backend local``: load the engine in this proces
 listen -> report SERVING and print ``READY gateway <host>:<http port> grpc=<host>:<grpc port>``
 on stdout (logs are JSON lines on stderr). SIGTERM or SIGINT: report NOT_SERVING and refuse
 new generations (503 / UNAVAILABLE) -> stop listening -> let in-flight streams finish for up to
-``--drain-timeout-s`` (then cancel them) -> stop the engine -> exit 0.
+``--drain-timeout-s`` (then cancel them) -> stop the engine -> exit 0. The process shell is
+``services.common.process``; the settings are ``services.gateway.config``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,13 +18,12 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from services.gateway.config import GatewayConfig
-from services.gateway.logging_setup import configure_logging
+from services.common import process
+from services.gateway.config import GatewayConfig, load_config
 
 if TYPE_CHECKING:  # the servers pull in the engine (torch): imported after --help
     from services.gateway.cluster_backend import ClusterBackend
     from services.gateway.engine_backend import EngineBackend
-    from services.gateway.grpc_server import GrpcServer
     from services.gateway.served_model import ServedModel
     from services.gateway.service import GatewayService
 
@@ -47,9 +45,10 @@ def _build_local(cfg: GatewayConfig) -> tuple[EngineBackend, ServedModel]:
     from services.gateway.engine_backend import EngineBackend
     from services.gateway.served_model import ServedModel
 
-    engine = LLMEngine(cfg.engine_config())
-    name = cfg.served_model_name or _default_model_name(cfg.model)
-    backend = EngineBackend(AsyncEngine(engine), max_active=cfg.max_concurrent_requests)
+    engine = LLMEngine(cfg.engine.engine_config(cfg.tuning.engine_cpus))
+    name = cfg.served_model_name or _default_model_name(cfg.engine.model)
+    aengine = AsyncEngine(engine, **cfg.tuning.engine_options())
+    backend = EngineBackend(aengine, max_active=cfg.max_concurrent_requests)
     return backend, ServedModel.for_engine(name, engine)
 
 
@@ -62,31 +61,32 @@ def _build_cluster(cfg: GatewayConfig) -> tuple[ClusterBackend, ServedModel]:
     from services.gateway.cluster_backend import ClusterBackend
     from services.gateway.served_model import ServedModel
 
-    path = Path(cfg.model) if cfg.model else default_model_path()
+    model = cfg.engine.model
+    path = Path(model) if model else default_model_path()
     tokenizer = Tokenizer.from_path(path)
     if path.is_file():
         context = int(read_gguf_metadata(path)["llama.context_length"])
     else:
         context = int(json.loads((path / "config.json").read_text())["max_position_embeddings"])
-    checkpoint_name = _default_model_name(cfg.model)
+    checkpoint_name = _default_model_name(model)
     assert cfg.scheduler is not None
     backend = ClusterBackend(cfg.scheduler, worker_model=checkpoint_name)
     name = cfg.served_model_name or checkpoint_name
-    max_len = min(cfg.max_model_len or context, context)
+    max_len = min(cfg.engine.max_model_len or context, context)
     return backend, ServedModel(name, tokenizer, max_len, tokenizer.vocab_size)
 
 
-async def _refresh_health(service: GatewayService, grpc_server: GrpcServer) -> None:
+async def _refresh_health(service: GatewayService, server: process.GrpcServer) -> None:
     """Keep gRPC health in step with the backend until draining starts."""
     while not service.draining:
         await asyncio.sleep(_HEALTH_REFRESH_S)
         if not service.draining:
-            await grpc_server.set_serving(await service.ready())
+            await server.set_serving(await service.ready())
 
 
-async def serve(cfg: GatewayConfig) -> int:
-    """Run until SIGTERM/SIGINT, then drain and return the exit status."""
-    from services.gateway.grpc_server import GrpcServer
+async def serve(cfg: GatewayConfig) -> None:
+    """Run until SIGTERM/SIGINT, then drain."""
+    from services.gateway.grpc_server import grpc_server
     from services.gateway.http_server import HttpServer, create_app
     from services.gateway.openai_api import Limits
     from services.gateway.service import GatewayService
@@ -102,50 +102,32 @@ async def serve(cfg: GatewayConfig) -> int:
     )
     app = create_app(service, max_body_bytes=cfg.max_body_bytes)
     http = HttpServer(app, cfg.host, cfg.http_port, cfg.drain_timeout_s)
-    grpc_server = GrpcServer(service, cfg.host, cfg.grpc_port, max_message_bytes=cfg.max_body_bytes)
+    server = grpc_server(service, cfg.host, cfg.grpc_port, max_message_bytes=cfg.max_body_bytes)
     await http.start()
-    await grpc_server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    refresher = asyncio.create_task(_refresh_health(service, grpc_server))
-    # The line process supervisors (and tests) wait for, as the other services print it.
-    host = cfg.host if cfg.host not in ("", "0.0.0.0", "[::]", "::") else "127.0.0.1"
-    print(f"READY gateway {host}:{http.port} grpc={host}:{grpc_server.port}", flush=True)
-    log.info(
-        "gateway_started",
-        model=model.name,
-        max_model_len=model.max_model_len,
-        http_port=http.port,
-        grpc_port=grpc_server.port,
-    )
-    await stop.wait()
+    log.info("gateway_started", model=model.name, max_model_len=model.max_model_len,
+             http_port=http.port, grpc_port=server.port)  # fmt: skip
 
-    log.info("gateway_draining", drain_timeout_s=cfg.drain_timeout_s)
-    service.start_draining()
-    refresher.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await refresher
-    await grpc_server.drain()
-    await asyncio.gather(grpc_server.stop(cfg.drain_timeout_s), http.stop())
-    await backend.stop()
-    log.info("gateway_stopped")
-    return 0
+    async def drain() -> None:
+        service.start_draining()  # new generations: 503 / UNAVAILABLE
+        await http.stop()  # in-flight HTTP streams finish (or are cancelled) first
+
+    try:
+        await process.serve(
+            server,
+            role="gateway",
+            drain_timeout_s=cfg.drain_timeout_s,
+            on_drain=drain,
+            background=[_refresh_health(service, server)],
+            address=f"{process.reachable(cfg.host)}:{http.port}",
+            ready={"grpc": server.address},
+        )
+    finally:
+        await backend.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg = GatewayConfig.from_sources(argv)
-    configure_logging(cfg.log_level)
-    sys.setswitchinterval(cfg.switch_interval_ms / 1000.0)
-    try:
-        import uvloop
-
-        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    except ImportError:
-        runner = asyncio.Runner()
-    with runner:
-        return runner.run(serve(cfg))
+    cfg = load_config(argv)
+    return process.run("gateway", cfg.log_level, serve(cfg), cfg.tuning)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The gRPC edge: ``pdserve.v1.Gateway`` (Generate, ListModels) and ``grpc.health.v1``.
+"""The gRPC edge: ``pdserve.v1.Gateway`` (Generate, ListModels), on the shell's server
+(with ``grpc.health.v1`` and reflection).
 
 Generate: authenticate -> resolve model -> template/tokenize/check (``grpc_convert``) ->
 backend stream -> events. Errors before the first event end the call with a status
@@ -22,8 +23,6 @@ from typing import Any
 import grpc
 import structlog
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
 
 from engine.errors import (
     CapacityError,
@@ -32,6 +31,7 @@ from engine.errors import (
     ResourceExhaustedError,
 )
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.common import process
 from services.gateway import grpc_convert as conv
 from services.gateway.backend import BackendUnavailableError, GenerateChunk, GenerateInput
 from services.gateway.served_model import ServedModel
@@ -246,48 +246,11 @@ def _register(server: grpc.aio.Server, servicer: GatewayServicer) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
-class GrpcServer:
-    """A grpc.aio server with the Gateway service and ``grpc.health.v1`` on ``host:port``.
-
-    Health reports SERVING for "" and ``pdserve.v1.Gateway`` once started; ``drain`` turns
-    it NOT_SERVING; ``stop(grace)`` refuses new calls and cancels those still running after
-    ``grace`` seconds. Messages over ``max_message_bytes`` get RESOURCE_EXHAUSTED from grpc.
-    """
-
-    def __init__(
-        self, service: GatewayService, host: str, port: int, *, max_message_bytes: int = 4 << 20
-    ) -> None:
-        self.service = service
-        self.server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.so_reuseport", 0),
-            ]
-        )
-        _register(self.server, GatewayServicer(service))
-        self.health = health_aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind gRPC to {host}:{port}")
-
-    async def start(self) -> int:
-        await self.server.start()
-        await self.set_serving(True)
-        return self.port
-
-    async def set_serving(self, serving: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)
-
-    async def drain(self) -> None:
-        """Report NOT_SERVING from now on (load balancers stop sending new calls)."""
-        await self.health.enter_graceful_shutdown()
-
-    async def stop(self, grace: float | None) -> None:
-        await self.server.stop(grace)
+def grpc_server(
+    service: GatewayService, host: str, port: int, *, max_message_bytes: int = 4 << 20
+) -> process.GrpcServer:
+    """The shell's gRPC server on ``host:port`` serving ``pdserve.v1.Gateway`` for
+    ``service`` (health and reflection included; not started yet)."""
+    server = process.GrpcServer([SERVICE_NAME], host, port, max_message_bytes=max_message_bytes)
+    _register(server.server, GatewayServicer(service))
+    return server

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.scheduler.model import PrefillMode, RejectReason, Role
 
@@ -74,8 +74,3 @@ class SchedulerMetrics:
         self.queue_depth.set_function(queue_depth)
         self.store_pending.set_function(store_pending)
         self.store_dropped.set_function(store_dropped)
-
-    def serve(self, host: str, port: int) -> None:
-        """Serve /metrics over HTTP on a daemon thread (port 0 means: don't serve)."""
-        if port:
-            start_http_server(port, addr=host, registry=self.registry)

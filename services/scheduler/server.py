@@ -16,9 +16,10 @@ UnknownWorker              NOT_FOUND
 bad message                INVALID_ARGUMENT
 =========================  ===================================================
 
-``SchedulerServer`` assembles the process: Redis store, state loop, gRPC server with
-``grpc.health.v1`` and the Prometheus /metrics endpoint; ``start()`` restores the registry
-from Redis before it reports SERVING, ``stop()`` drains (NOT_SERVING first).
+``SchedulerServer`` assembles the process: Redis store, state loop, the gRPC server (the
+shell's ``GrpcServer``, served by ``services.common.process.serve``) and the Prometheus
+/metrics endpoint; ``start()`` restores the registry from Redis before the server reports
+SERVING, ``drain()`` refuses new work, ``close()`` flushes and closes once it stopped.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from typing import NoReturn
 import grpc
 import redis.asyncio as aioredis
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.common import process
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.model import (
@@ -346,7 +347,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
 
 class SchedulerServer:
-    """The whole scheduler: ``await start()``, then ``await stop()`` (drain) once."""
+    """The whole scheduler: ``await start()``, serve ``grpc``, ``await drain()`` on SIGTERM,
+    then ``await close()`` once ``grpc`` stopped."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -370,11 +372,8 @@ class SchedulerServer:
         sink: RecordSink | None = self._store
         self.state = SchedulerState(config.state_config(), sink=sink, metrics=self.metrics)
         self.servicer = SchedulerServicer(self.state, self.metrics)
-        self.health = health.aio.HealthServicer()
-        self._server = grpc.aio.server()
-        scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.servicer, self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        self.grpc_port = 0
+        self.grpc = process.GrpcServer([SERVICE_NAME], config.grpc_host, config.grpc_port)
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.servicer, self.grpc.server)
 
     async def _restore(self) -> tuple[list[StoredWorker], dict[int, set[str]]]:
         if self._store is None:
@@ -391,9 +390,7 @@ class SchedulerServer:
         return workers, index
 
     async def start(self) -> None:
-        """Restore from Redis, start the state loop, serve gRPC and /metrics, report SERVING."""
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        """Restore from Redis, start the state loop and /metrics (gRPC: ``grpc``)."""
         workers, index = await self._restore()
         self.state.restore(workers, index)
         self.state.start()
@@ -405,35 +402,26 @@ class SchedulerServer:
             store_pending=lambda: store.pending if store else 0,
             store_dropped=lambda: store.dropped if store else 0,
         )
-        self.metrics.serve(self.config.metrics_host, self.config.metrics_port)
-        address = f"{self.config.grpc_host}:{self.config.grpc_port}"
-        self.grpc_port = self._server.add_insecure_port(address)
-        await self._server.start()
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        process.start_metrics(
+            self.config.metrics_port, self.config.metrics_host, self.metrics.registry
+        )
         log.info(
             "scheduler_started",
-            grpc_port=self.grpc_port,
+            grpc_port=self.grpc.port,
             metrics_port=self.config.metrics_port,
             restored_workers=len(workers),
             restored_prefixes=len(index),
             heartbeat_ttl_s=self.config.heartbeat_ttl_s,
         )
 
-    async def wait(self) -> None:
-        """Return when the gRPC server terminates."""
-        await self._server.wait_for_termination()
-
-    async def stop(self) -> None:
-        """Drain: NOT_SERVING, refuse new placements, let in-flight RPCs finish (grace), then
-        flush Redis writes and close."""
-        await self.health.enter_graceful_shutdown()
+    async def drain(self) -> None:
+        """Refuse new placements and registrations; RPCs in flight go on."""
         self.servicer.draining = True
-        log.info("scheduler_draining", grace_s=self.config.drain_grace_s)
-        await self._server.stop(self.config.drain_grace_s)
+
+    async def close(self) -> None:
+        """After the gRPC server stopped: stop the state loop, flush Redis writes, close."""
         await self.state.stop()
         if self._store is not None:
             await self._store.close(timeout_s=self.config.redis_timeout_s)
         if self._redis is not None:
             await self._redis.aclose()
-        log.info("scheduler_stopped")

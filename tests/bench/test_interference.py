@@ -3,7 +3,6 @@ parse with ``pdserve up``'s own parser."""
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 from bench import interference
 from bench.serve.metrics import Slo
 from bench.serve.result import BenchResult, RequestRecord
-from services.up import add_up_flags
+from services.up import load_up_config
 
 
 def _stream(index: int, ttft: float, gaps: list[float]) -> RequestRecord:
@@ -70,19 +69,18 @@ def test_rows_and_checks_from_known_runs() -> None:
 
 def test_every_mode_parses_with_pdserve_up_flags() -> None:
     args = interference.build_parser().parse_args(["--peer"])
-    parser = argparse.ArgumentParser()
-    add_up_flags(parser)
     modes = interference.modes_for(args)
     assert [m.name for m in modes] == [*interference.MODES, interference.PEER]
     for mode in modes:
         if mode.peer:
             continue
-        up = parser.parse_args(list(mode.up_flags))
+        up = load_up_config(list(mode.up_flags), {})
         assert up.colocated == mode.name.startswith("colocated")
-    chunked = parser.parse_args(list(modes[1].up_flags))
-    assert chunked.chunked_prefill == args.chunk
-    disagg = parser.parse_args(list(modes[2].up_flags))
-    assert (disagg.prefill, disagg.decode, disagg.pin, disagg.threads_per_worker) == (1, 1, True, 1)
+        assert up.pin == (mode.name == "disaggregated")  # colocated threads float
+    chunked = load_up_config(list(modes[1].up_flags), {})
+    assert chunked.engine.chunked_prefill == args.chunk
+    disagg = load_up_config(list(modes[2].up_flags), {})
+    assert (disagg.prefill, disagg.decode, disagg.pin, disagg.engine.threads) == (1, 1, True, 1)
     # the control plane and the load generator share the prefill worker's core (the first)
     first = min(os.sched_getaffinity(0))
     assert disagg.control_cpus == {first} and modes[2].client_cpus == {first}

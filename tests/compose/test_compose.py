@@ -1,9 +1,9 @@
 """compose/ held against the code, without a Docker engine.
 
-``check_compose`` parses every service's command with that service's own argument parser
-(the scheduler's ``load_config``, the gateway's ``GatewayConfig.from_sources``, the workers'
-``build_parser``) and cross-checks what the services are told about each other: scheduler
-and Redis addresses, ports, healthcheck ports, KV transports, replicas, drain times.
+``check_compose`` parses every service's command with that service's own ``load_config``
+and cross-checks what the services are told about each other: scheduler and Redis
+addresses, ports, healthcheck ports, KV transports, replicas, drain times, and the engine
+settings (the ``EngineArgs`` defaults but for ``COMPOSE_ENGINE``).
 ``check_dockerfile`` holds the image's install step to ``scripts/setup.sh``, the README's
 install. Both return a list of problems; the mutation tests show each check can fail. The
 probe tests run the real healthcheck commands and the advertise-host wrapper.
@@ -33,9 +33,10 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.decode.__main__ import build_parser as decode_parser
-from services.gateway.config import GatewayConfig
-from services.prefill.__main__ import build_parser as prefill_parser
+from services.common.engine_args import EngineArgs
+from services.decode.config import load_config as decode_config
+from services.gateway.config import load_config as gateway_config
+from services.prefill.config import load_config as prefill_config
 from services.scheduler.config import load_config as scheduler_config
 from services.scheduler.policy import HOST_LOCAL_TRANSPORTS
 
@@ -58,11 +59,17 @@ INSTALL_TOOLS = re.compile(r"\b(pip|pip3|apt-get|apt|conda|uv|poetry)\b")
 
 PARSERS: dict[str, Callable[[list[str]], Any]] = {
     "services.scheduler": lambda argv: scheduler_config(argv, environ={}),
-    "services.gateway": lambda argv: GatewayConfig.from_sources(argv, environ={}),
-    "services.prefill": lambda argv: prefill_parser().parse_args(argv),
-    "services.decode": lambda argv: decode_parser().parse_args(argv),
+    "services.gateway": lambda argv: gateway_config(argv, environ={}),
+    "services.prefill": lambda argv: prefill_config(argv, environ={}),
+    "services.decode": lambda argv: decode_config(argv, environ={}),
 }
 WORKERS = ("services.prefill", "services.decode")
+# What compose sets on purpose beyond the shared engine defaults: one torch thread per
+# worker container, whatever the host's cores (compose/README.md).
+COMPOSE_ENGINE = {
+    "services.prefill": EngineArgs(threads=1),
+    "services.decode": EngineArgs(threads=1),
+}
 
 
 class Problem(Exception):
@@ -215,9 +222,13 @@ def check_compose(compose: dict[str, Any]) -> list[str]:
         problems += _check_worker(name, services[name], args, sched_name, sched_addr, sched)
     problems += _check_transports(parsed["services.prefill"], parsed["services.decode"])
     problems += _check_gateway(services, parsed, sched_addr)
-    models = {m: cfg.model for m, (_, cfg) in parsed.items() if m != "services.scheduler"}
+    models = {m: cfg.engine.model for m, (_, cfg) in parsed.items() if m != "services.scheduler"}
     if len(set(models.values())) != 1:
         problems.append(f"services load different models: {models}")
+    for module, (name, cfg) in parsed.items():
+        want = COMPOSE_ENGINE.get(module, EngineArgs())
+        if module != "services.scheduler" and cfg.engine != want:
+            problems.append(f"{name}: engine settings {cfg.engine} are not {want}")
     return problems
 
 
@@ -243,18 +254,18 @@ def _check_worker(
     name: str, svc: dict[str, Any], args: Any, sched_name: str, sched_addr: str, sched: Any
 ) -> list[str]:
     problems = []
-    if args.host not in ALL_INTERFACES:
-        problems.append(f"{name}: binds {args.host}; other containers cannot reach it")
-    if args.advertise_host in (None, *ALL_INTERFACES):
+    w = args.worker
+    if w.host not in ALL_INTERFACES:
+        problems.append(f"{name}: binds {w.host}; other containers cannot reach it")
+    if w.advertise_host in (None, *ALL_INTERFACES):
         problems.append(f"{name}: no --advertise-host; it would register 127.0.0.1")
-    if args.worker_id is not None:
-        problems.append(f"{name}: --worker-id {args.worker_id} is shared by every replica")
-    if args.scheduler != sched_addr:
-        problems.append(f"{name}: --scheduler {args.scheduler} is not {sched_addr}")
-    if not args.heartbeat_interval < sched.heartbeat_ttl_s:
+    if w.worker_id is not None:
+        problems.append(f"{name}: --worker-id {w.worker_id} is shared by every replica")
+    if w.scheduler != sched_addr:
+        problems.append(f"{name}: --scheduler {w.scheduler} is not {sched_addr}")
+    if not w.heartbeat_interval_s < sched.heartbeat_ttl_s:
         problems.append(
-            f"{name}: heartbeats every {args.heartbeat_interval}s, lease is "
-            f"{sched.heartbeat_ttl_s}s"
+            f"{name}: heartbeats every {w.heartbeat_interval_s}s, lease is {sched.heartbeat_ttl_s}s"
         )
     replicas = (svc.get("deploy") or {}).get("replicas")
     if not isinstance(replicas, int) or replicas < 1:
@@ -263,14 +274,14 @@ def _check_worker(
         problems.append(f"{name}: published ports collide when it is scaled")
     if not depends_on_healthy(svc, sched_name):
         problems.append(f"{name} must wait for {sched_name} to be healthy")
-    return problems + _port_checks(name, svc, args.port, drain=args.drain_timeout)
+    return problems + _port_checks(name, svc, w.port, drain=w.drain_timeout_s)
 
 
 def _check_transports(prefill: tuple[str, Any], decode: tuple[str, Any]) -> list[str]:
     """The KV path between containers: no host-local transport, and one both sides share."""
     (pname, p), (dname, d) = prefill, decode
     problems = []
-    can_write = [t.strip() for t in p.transports.split(",") if t.strip()]
+    can_write = list(p.transports)
     if host_local := [t for t in can_write if t in HOST_LOCAL_TRANSPORTS]:
         problems.append(f"{pname}: --transports {host_local} do not work across containers")
     if d.role != "decode":
@@ -416,8 +427,9 @@ def test_compose_parses_into_the_expected_stack(compose: dict[str, Any]) -> None
     _, sched = parse_service("scheduler", effective_argv("scheduler", svc["scheduler"]))
     assert (sched.grpc_port, sched.redis_url) == (50050, "redis://redis:6379/0")
     _, decode = parse_service("decode", effective_argv("decode", svc["decode"]))
-    assert (decode.transport, decode.advertise_host) == ("tcp", CONTAINER_HOSTNAME)
-    assert decode.scheduler == "scheduler:50050"
+    assert (decode.transport, decode.worker.advertise_host) == ("tcp", CONTAINER_HOSTNAME)
+    assert decode.worker.scheduler == "scheduler:50050"
+    assert (decode.engine.threads, decode.engine.kv_cache_mib) == (1, 512)
     _, gw = parse_service("gateway", effective_argv("gateway", svc["gateway"]))
     assert (gw.http_port, gw.grpc_port, gw.backend) == (8000, 50051, "cluster")
     assert svc["prefill"]["deploy"]["replicas"] == 1 and svc["decode"]["deploy"]["replicas"] == 1
@@ -504,7 +516,10 @@ MUTATIONS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "worker binds loopback": (_m("decode", "--host", "127.0.0.1"), "decode: binds 127.0.0.1"),
     "no advertise wrapper": (_put("prefill", "entrypoint", None), "no --advertise-host"),
     "other entrypoint": (_put("decode", "entrypoint", ["python"]), "unknown entrypoint"),
-    "slow heartbeats": (_m("decode", "--heartbeat-interval", "5"), "lease is 3.0s"),
+    "slow heartbeats": (_m("decode", "--heartbeat-interval-s", "5"), "lease is 3.0s"),
+    "an engine default restated otherwise": (
+        _m("prefill", "--kv-cache-mib", "1024"), "prefill: engine settings"),
+    "a worker without its one thread": (_m("decode", "--threads", None), "decode: engine"),
     "gateway local backend": (_m("gateway", "--backend", "local"), "--backend local"),
     "gateway port not published": (
         _m("gateway", "--http-port", "8080"), "gateway: publishes"),

@@ -7,7 +7,6 @@ One decode worker takes KV over shm, the other over tcp, so every check runs bot
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import re
@@ -21,7 +20,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.launcher import Stack, free_port
-from services.up import add_up_flags, launch, pin_plan, worker_placement
+from services.up import launch, load_up_config, pin_plan, worker_placement
 
 MAX_TOKENS = 16
 QUESTIONS = [
@@ -38,13 +37,11 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    parser = argparse.ArgumentParser()
-    add_up_flags(parser)
-    args = parser.parse_args(
+    args = load_up_config(
         ["--prefill", "2", "--decode", "2", "--transport", "shm,tcp", "--kv-cache-mib", "96",
          "--http-port", str(free_port()), "--grpc-port", str(free_port()),
-         "--heartbeat-ttl", "2", "--pin", "--control-cpus", "0",
-         "--kv-tcp-congestion", "reno"]
+         "--heartbeat-ttl-s", "2", "--pin", "--control-cpus", "0",
+         "--kv-tcp-congestion", "reno"], {}
     )  # fmt: skip
     st = Stack(log_dir=tmp_path_factory.mktemp("stack"))
     try:

@@ -125,10 +125,10 @@ def _run(*argv: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_registered_as_pdserve_plan(profile_file: Path, tmp_path: Path) -> None:
-    ok = _run("-m", "services.cli", "plan", *_args(profile_file))
+    ok = _run("-m", "pdserve.cli", "plan", *_args(profile_file))
     assert ok.returncode == 0, ok.stderr
     assert "Recommendation: disaggregated" in ok.stdout
-    bad = _run("-m", "services.cli", "plan", *_args(tmp_path / "absent.json"))
+    bad = _run("-m", "pdserve.cli", "plan", *_args(tmp_path / "absent.json"))
     assert bad.returncode == 2
     assert "not found" in bad.stderr
     assert "Traceback" not in bad.stderr

@@ -15,7 +15,7 @@ from aiohttp import web
 from bench.serve.arrival import Concurrency, FixedRate, Poisson, Schedule
 from bench.serve.cli import arrival_from_args, run_bench
 from bench.serve.result import BenchResult
-from services.cli import build_parser
+from pdserve.cli import build_parser
 from tests.bench.serve.fake_server import completion_chunk, make_app, sse, start_stream, usage_chunk
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -27,7 +27,7 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_pdserve_bench_is_registered_with_its_defaults() -> None:
     args = parse()
-    assert args.func.__name__ == "_cmd_bench"
+    assert args.func.__name__ == "run_bench"
     assert (args.workload, args.endpoint, args.prompt_format) == ("fixed", "completions", "ids")
     assert args.ignore_eos is True and parse("--no-ignore-eos").ignore_eos is False
     assert (args.streams, args.stream_output_tokens, args.long_prompt_tokens) == (8, 256, 1024)

@@ -4,7 +4,6 @@ up``'s launcher; the JSON must hold 3 successful requests of the asked lengths."
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from services.launcher import Stack, free_port
-from services.up import add_up_flags, launch
+from services.up import launch, load_up_config
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 PROMPT_TOKENS = 32
@@ -23,11 +22,9 @@ OUTPUT_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def gateway_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    parser = argparse.ArgumentParser()
-    add_up_flags(parser)
-    args = parser.parse_args(
+    args = load_up_config(
         ["--prefill", "1", "--decode", "1", "--kv-cache-mib", "64",
-         "--http-port", str(free_port()), "--grpc-port", str(free_port())]
+         "--http-port", str(free_port()), "--grpc-port", str(free_port())], {}
     )  # fmt: skip
     stack = Stack(log_dir=tmp_path_factory.mktemp("stack"))
     try:
@@ -39,7 +36,7 @@ def gateway_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_pdserve_bench_against_the_real_stack(gateway_url: str, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [
-        sys.executable, "-m", "services.cli", "bench", "--base-url", gateway_url,
+        sys.executable, "-m", "pdserve.cli", "bench", "--base-url", gateway_url,
         "--workload", "fixed", "--num-requests", "3", "--prompt-tokens", str(PROMPT_TOKENS),
         "--output-tokens", str(OUTPUT_TOKENS), "--arrival", "concurrency", "--concurrency", "3",
         "--timeout-s", "120", "--json", str(out), "--no-progress",

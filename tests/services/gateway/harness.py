@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from services.common.process import GrpcServer
 from services.gateway.engine_backend import EngineBackend
-from services.gateway.grpc_server import GrpcServer
+from services.gateway.grpc_server import grpc_server as gateway_grpc_server
 from services.gateway.http_server import HttpServer, create_app
 from services.gateway.served_model import ServedModel
 from services.gateway.service import GatewayService
@@ -77,7 +78,7 @@ async def running_gateway(
             http_server = HttpServer(app, "127.0.0.1", 0, drain_timeout_s=2.0)
             await http_server.start()
         if grpc:
-            grpc_server = GrpcServer(service, "127.0.0.1", 0, max_message_bytes=MAX_BODY)
+            grpc_server = gateway_grpc_server(service, "127.0.0.1", 0, max_message_bytes=MAX_BODY)
             await grpc_server.start()
         yield Gateway(engine, backend, service, http_server, grpc_server)
     finally:

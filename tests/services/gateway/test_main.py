@@ -90,7 +90,8 @@ async def test_sigterm_drains_in_flight_stream_then_exits() -> None:
         assert sp.proc.wait(30) == 0
         logs = [json.loads(line) for line in sp.output if line.startswith("{")]
         events = [e["event"] for e in logs]
-        assert events.index("gateway_draining") < events.index("gateway_stopped")
+        assert events.index("draining") < events.index("stopped")
+        assert {e["service"] for e in logs} == {"gateway"}
         started = next(e for e in logs if e["event"] == "completion_started")
         assert started["request_id"].startswith("cmpl-")
     finally:

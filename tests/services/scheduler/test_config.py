@@ -1,4 +1,4 @@
-"""SchedulerConfig: flags derived from fields, env vars, precedence, validation, --help."""
+"""SchedulerConfig: flags and env vars by the shared rule, precedence, validation, --help."""
 
 from __future__ import annotations
 
@@ -7,14 +7,8 @@ import sys
 
 import pytest
 
-from services.scheduler.config import SchedulerConfig, env_name, flag_name, load_config
+from services.scheduler.config import SchedulerConfig, load_config
 from tests.services.scheduler.processes import REPO
-
-
-def test_flag_and_env_names_derive_from_fields() -> None:
-    assert flag_name("heartbeat_ttl_s") == "--heartbeat-ttl"
-    assert flag_name("grpc_port") == "--grpc-port"
-    assert env_name("heartbeat_ttl_s") == "PDSERVE_SCHEDULER_HEARTBEAT_TTL_S"
 
 
 def test_flag_beats_env_beats_default() -> None:
@@ -36,10 +30,11 @@ def test_derived_values() -> None:
 @pytest.mark.parametrize(
     "argv",
     [
-        ["--heartbeat-ttl", "0"],
+        ["--heartbeat-ttl-s", "0"],
         ["--grpc-port", "70000"],
         ["--queue-size", "x"],
         ["--log-level", "loud"],
+        ["--heartbeat-ttl", "3"],  # durations keep their unit in the flag
     ],
 )
 def test_bad_values_exit_with_usage_error(
@@ -65,5 +60,6 @@ def test_module_help_lists_every_flag() -> None:
         timeout=60,
         check=True,
     ).stdout
-    for flag in ("--grpc-port", "--metrics-port", "--redis-url", "--heartbeat-ttl", "--queue-size"):
+    for flag in ("--grpc-port", "--metrics-port", "--redis-url", "--heartbeat-ttl-s",
+                 "--queue-size", "--drain-timeout-s"):  # fmt: skip
         assert flag in out

@@ -110,8 +110,8 @@ def _scheduler_flags(redis_url: str, prefix: str, metrics_port: int, ttl_s: floa
         "--metrics-port", str(metrics_port),
         "--redis-url", redis_url,
         "--redis-key-prefix", prefix,
-        "--heartbeat-ttl", str(ttl_s),
-        "--drain-grace", "2",
+        "--heartbeat-ttl-s", str(ttl_s),
+        "--drain-timeout-s", "2",
     ]  # fmt: skip
 
 
@@ -338,7 +338,7 @@ async def test_sigterm_drains_and_a_restart_rebuilds_the_registry_from_redis(
                 health_pb2.HealthCheckResponse.NOT_SERVING,
             ]
             assert first.proc.wait(10) == 0, first.log_tail()
-            assert "scheduler_stopped" in first.log_tail()
+            assert '"stopped"' in first.log_tail()
 
         # The workers are silent now; their Redis keys still hold what is left of the lease.
         assert 0 < sync_redis.pttl(f"{prefix}:worker:d1") <= ttl_s * 1000

@@ -1,0 +1,197 @@
+"""The process shell every pdserve service starts through (gateway, scheduler, prefill,
+decode): JSON logs, uvloop, the Prometheus server, a gRPC server with health and
+reflection, the ``READY`` line, and the drain on SIGTERM/SIGINT.
+
+Lifecycle of a process: ``run`` (logs, tuning, uvloop) -> the service builds its parts ->
+``serve``: start the gRPC server (SERVING) -> print ``READY <role> <address>`` -> wait for
+a signal -> NOT_SERVING -> the service's ``on_drain`` (new work refused, in-flight work
+finishing) -> stop the server, cancelling what still runs when ``drain_timeout_s`` since
+the signal is spent -> return to the service, which closes what it owns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from services.common.tuning import Tuning
+
+_ALL_INTERFACES = ("", "0.0.0.0", "::", "[::]")
+
+log = structlog.get_logger(__name__)
+
+
+def configure_logging(service: str, level: str) -> None:
+    """structlog JSON lines on stderr at ``level`` and above, each carrying ``service`` and
+    ``pid`` (and ``request_id`` where an edge binds it with structlog.contextvars);
+    stdlib loggers (grpc, aiohttp) at WARNING and above."""
+    numeric = logging.getLevelNamesMapping()[level.upper()]
+    logging.basicConfig(
+        stream=sys.stderr, level=max(numeric, logging.WARNING), format="%(message)s"
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    structlog.contextvars.bind_contextvars(service=service, pid=os.getpid())
+
+
+def run(
+    service: str,
+    level: str,
+    main: Coroutine[Any, Any, int | None],
+    tuning: Tuning | None = None,
+) -> int:
+    """Start a service process: logs, then ``tuning`` (once), then ``main`` on uvloop;
+    returns the exit status (``main``'s, 0 for None)."""
+    import uvloop
+
+    configure_logging(service, level)
+    if tuning is not None:
+        tuning.apply()
+    return uvloop.run(main) or 0
+
+
+def start_metrics(port: int, host: str, registry: CollectorRegistry | None = None) -> None:
+    """Prometheus ``/metrics`` on its own HTTP port, on a daemon thread (0: none)."""
+    from prometheus_client import REGISTRY, start_http_server
+
+    if port:
+        start_http_server(port, addr=host, registry=REGISTRY if registry is None else registry)
+
+
+def reachable(host: str, advertise_host: str | None = None) -> str:
+    """The host peers dial for a server bound to ``host``."""
+    if advertise_host:
+        return advertise_host
+    return "127.0.0.1" if host in _ALL_INTERFACES else host
+
+
+def print_ready(role: str, address: str, **extra: str) -> None:
+    """``READY <role> <address> [key=value ...]`` on stdout: what ``pdserve up``, compose
+    wrappers and tests wait for (logs go to stderr)."""
+    tail = "".join(f" {k}={v}" for k, v in extra.items())
+    print(f"READY {role} {address}{tail}", flush=True)
+
+
+class GrpcServer:
+    """A grpc.aio server on ``host:port`` (0: a free port) with ``grpc.health.v1`` and
+    server reflection for ``services`` (full names, e.g. ``pdserve.v1.Scheduler``).
+
+    Add servicers to ``server`` before ``start``. Health reports SERVING for "" and each of
+    ``services`` from ``start`` on, NOT_SERVING for good from ``drain`` on. A message over
+    ``max_message_bytes`` gets RESOURCE_EXHAUSTED. ``OSError`` when the port cannot be bound.
+    """
+
+    def __init__(
+        self,
+        services: Sequence[str],
+        host: str,
+        port: int,
+        *,
+        advertise_host: str | None = None,
+        max_message_bytes: int = 64 << 20,
+    ) -> None:
+        self.services = tuple(services)
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.so_reuseport", 0),  # a port in use fails here, never shared
+            ]
+        )
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (*self.services, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+        try:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as exc:  # grpc's "Failed to bind"
+            raise OSError(f"cannot bind gRPC to {host}:{port}: {exc}") from None
+        self.address = f"{reachable(host, advertise_host)}:{self.port}"
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self.set_serving(True)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *self.services):
+            await self.health.set(name, status)
+
+    async def drain(self) -> None:
+        """Report NOT_SERVING from now on (balancers and the scheduler stop sending)."""
+        await self.health.enter_graceful_shutdown()
+
+    async def stop(self, grace: float | None) -> None:
+        """Refuse new calls; cancel those still running after ``grace`` seconds."""
+        await self.server.stop(grace)
+
+
+async def serve(
+    server: GrpcServer,
+    *,
+    role: str,
+    drain_timeout_s: float,
+    on_drain: Callable[[], Awaitable[None]] | None = None,
+    background: Iterable[Awaitable[None]] = (),
+    address: str | None = None,
+    ready: dict[str, str] | None = None,
+) -> None:
+    """Serve until SIGTERM/SIGINT, then drain within ``drain_timeout_s`` and stop.
+
+    ``on_drain`` runs after health turns NOT_SERVING: it refuses new work and waits for
+    work in flight; it is cancelled when the deadline passes, and the server stop gets what
+    is left of it. ``background`` tasks run while serving and are cancelled at the end.
+    The READY line names ``address`` (default: the gRPC server's) and ``ready``'s pairs.
+    """
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await server.start()
+    tasks = [asyncio.ensure_future(b) for b in background]
+    log.info("serving", address=server.address)
+    print_ready(role, address or server.address, **(ready or {}))
+    await stopping.wait()
+    deadline = time.monotonic() + drain_timeout_s
+    log.info("draining", drain_timeout_s=drain_timeout_s)
+    await server.drain()
+    if on_drain is not None:
+        try:
+            await asyncio.wait_for(on_drain(), drain_timeout_s)
+        except TimeoutError:
+            log.warning("drain_timeout", drain_timeout_s=drain_timeout_s)
+    await server.stop(max(0.0, deadline - time.monotonic()))
+    for t in tasks:
+        t.cancel()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+    log.info("stopped")

@@ -1,0 +1,63 @@
+"""The decode worker's configuration: one frozen dataclass, its flags and environment
+(``PDSERVE_DECODE_*``), through ``services.common.settings``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from services.common import settings
+from services.common.engine_args import EngineArgs
+from services.common.settings import setting
+from services.common.tuning import Tuning
+from services.common.worker_args import WorkerArgs
+
+ABOUT = (
+    "pdserve decode worker (--role colocated: prefills too): registers its KV pool with a "
+    "transport, has prefill workers fill the blocks it reserves for each request, and "
+    "streams tokens from its continuous batch."
+)
+ROLES = ("decode", "colocated")
+TRANSPORTS = ("shm", "tcp")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Everything ``python -m services.decode`` is told; validated on construction."""
+
+    worker: WorkerArgs = field(default_factory=lambda: WorkerArgs(port=50071))
+    role: str = setting("decode", "decode, or colocated (prefills locally too)", choices=ROLES)
+    transport: str = setting(
+        "shm", "how prefill workers write into this worker's KV pool", choices=TRANSPORTS
+    )
+    kv_port: int = setting(0, "tcp transport: port of the KV receiver (0: any free port)")
+    local_prefill_max_tokens: int = setting(
+        0,
+        "prefill prompts up to this long here even when a prefill worker is named "
+        "(conditional disaggregation; 0: never)",
+        metavar="TOKENS",
+    )
+    prefill_deadline_s: float = setting(
+        30.0, "deadline of a remote prefill, KV transfer included", metavar="SECONDS"
+    )
+    engine: EngineArgs = field(default_factory=EngineArgs)
+    tuning: Tuning = field(default_factory=Tuning)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.kv_port <= 65535:
+            raise ValueError(f"kv_port must be a port number, got {self.kv_port}")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(
+                f"local_prefill_max_tokens must be >= 0, got {self.local_prefill_max_tokens}"
+            )
+        if self.prefill_deadline_s <= 0:
+            raise ValueError(f"prefill_deadline_s must be > 0, got {self.prefill_deadline_s}")
+
+
+def load_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> DecodeConfig:
+    """Flags over ``PDSERVE_DECODE_*`` over defaults; exits 2 on a bad value."""
+    return settings.load(
+        DecodeConfig, "decode", argv, environ, prog="python -m services.decode", description=ABOUT
+    )

@@ -1,0 +1,66 @@
+"""The prefill worker's configuration: one frozen dataclass, its flags and environment
+(``PDSERVE_PREFILL_*``), through ``services.common.settings``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from services.common import settings
+from services.common.config import tcp_congestion
+from services.common.engine_args import EngineArgs
+from services.common.settings import setting
+from services.common.tuning import Tuning
+from services.common.worker_args import WorkerArgs
+
+ABOUT = (
+    "pdserve prefill worker: computes prompts, writes their KV into decode workers' "
+    "registered memory layer by layer (shm on one host, tcp anywhere) and answers each "
+    "Prefill with the first token."
+)
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Everything ``python -m services.prefill`` is told; validated on construction."""
+
+    worker: WorkerArgs = field(default_factory=lambda: WorkerArgs(port=50061))
+    transports: tuple[str, ...] = setting(
+        ("shm", "tcp"), "comma-separated transports this worker can write KV with"
+    )
+    kv_tcp_congestion: str | None = setting(
+        None,
+        "TCP congestion control of this worker's tcp KV connections (e.g. reno; default: "
+        "the system's). On one host reno avoids BBR's pacing reordering loopback segments",
+        parse=tcp_congestion,
+        metavar="NAME",
+    )
+    prefill_token_budget: int = setting(4096, "most prompt tokens computed in one forward pass")
+    engine: EngineArgs = field(default_factory=EngineArgs)
+    tuning: Tuning = field(default_factory=Tuning)
+
+    def __post_init__(self) -> None:
+        if not self.transports:
+            raise ValueError("transports must name at least one transport")
+        if self.prefill_token_budget < 1:
+            raise ValueError(f"prefill_token_budget must be >= 1, got {self.prefill_token_budget}")
+
+    def transport_options(self, name: str) -> dict[str, object]:
+        """The options this config gives transport ``name``."""
+        if name == "tcp" and self.kv_tcp_congestion:
+            return {"congestion": self.kv_tcp_congestion}
+        return {}
+
+
+def load_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> PrefillConfig:
+    """Flags over ``PDSERVE_PREFILL_*`` over defaults; exits 2 on a bad value."""
+    return settings.load(
+        PrefillConfig,
+        "prefill",
+        argv,
+        environ,
+        prog="python -m services.prefill",
+        description=ABOUT,
+    )

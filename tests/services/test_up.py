@@ -1,0 +1,108 @@
+"""``pdserve up``'s config and layout: pinned by default (the measured-best layout),
+decode workers first and away from the control plane, engine settings and the KV TCP
+congestion control handed to the workers as their own flags."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common import settings
+from services.common.engine_args import EngineArgs
+from services.decode.config import load_config as decode_config
+from services.prefill.config import load_config as prefill_config
+from services.up import UpConfig, load_up_config, pin_plan, prefill_flags, worker_placement
+
+
+def test_pinning_is_the_default_with_the_first_core_for_the_control_plane() -> None:
+    cfg = load_up_config([], {})
+    assert cfg.pin and cfg.control_cpus is None
+    assert cfg.control_cores([0, 1]) == {0}
+    assert cfg.control_cores([4, 5, 6]) == {4}
+    assert cfg.control_cores([3]) is None  # one core: nothing to keep apart
+    assert load_up_config(["--no-pin"], {}).control_cores([0, 1]) is None
+    assert load_up_config(["--control-cpus", "1"], {}).control_cores([0, 1]) == {1}
+    assert load_up_config(["--no-pin", "--control-cpus", "0"], {}).control_cores([0, 1]) == {0}
+    assert not load_up_config([], {"PDSERVE_UP_PIN": "false"}).pin
+
+
+def test_pin_plan_puts_decode_workers_first_and_away_from_the_control_plane() -> None:
+    # two cores, control plane on 0: the decode worker gets the free core
+    assert pin_plan(["prefill-0", "decode-0"], [0, 1], {0}) == {"decode-0": 1, "prefill-0": 0}
+    assert pin_plan(["colocated-0"], [0, 1], {0}) == {"colocated-0": 1}
+    # more workers than free cores: round-robin over free cores, then control cores
+    assert pin_plan(["prefill-0", "prefill-1", "decode-0", "decode-1"], [0, 1, 2, 3], {0}) == {
+        "decode-0": 1, "decode-1": 2, "prefill-0": 3, "prefill-1": 0,
+    }  # fmt: skip
+    # no control plane pinned: decode workers still come first
+    assert pin_plan(["prefill-0", "decode-0"], [4, 5], None) == {"decode-0": 4, "prefill-0": 5}
+
+
+def test_pinned_workers_keep_the_core_for_the_engine_thread_and_share_free_control_cores() -> None:
+    # a control core no worker computes on: the process may also run there, the engine
+    # thread only on its core
+    assert worker_placement("colocated-0", {"colocated-0": 1}, {0}) == (
+        {0, 1}, ["--engine-cpus", "1"],
+    )  # fmt: skip
+    plan = {"decode-0": 1, "decode-1": 2, "prefill-0": 3}
+    assert worker_placement("decode-0", plan, {0}) == ({0, 1}, ["--engine-cpus", "1"])
+    assert worker_placement("prefill-0", plan, {0, 1}) == ({0, 3}, ["--engine-cpus", "3"])
+    # the only control core runs a prefill worker: nothing spare, whole process on its core
+    two = {"decode-0": 1, "prefill-0": 0}
+    assert worker_placement("decode-0", two, {0}) == ({1}, [])
+    assert worker_placement("prefill-0", two, {0}) == ({0}, [])
+    # no control cores named: the whole process on its core
+    assert worker_placement("decode-0", {"decode-0": 1}, None) == ({1}, [])
+    # not pinned at all
+    assert worker_placement("decode-0", {}, {0}) == (None, [])
+    # the flag it hands out is one both workers parse
+    assert decode_config(["--engine-cpus", "0"], {}).tuning.engine_cpus == {0}
+    assert prefill_config(["--engine-cpus", "0"], {}).tuning.engine_cpus == {0}
+
+
+def test_engine_settings_reach_the_workers_as_their_own_flags() -> None:
+    cfg = load_up_config(["--kv-cache-mib", "96", "--threads", "1", "--no-cpu-kernels"], {})
+    assert cfg.engine == EngineArgs(kv_cache_mib=96, threads=1, cpu_kernels=False)
+    argv = settings.to_argv(cfg.engine)
+    assert prefill_config(argv, {}).engine == cfg.engine
+    assert decode_config(argv, {}).engine == cfg.engine
+
+
+def test_kv_tcp_congestion_flows_from_pdserve_up_to_the_prefill_workers_tcp_transport(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert prefill_flags(load_up_config([], {})) == []
+    flags = prefill_flags(load_up_config(["--kv-tcp-congestion", "reno"], {}))
+    cfg = prefill_config(flags, {})
+    assert cfg.transport_options("tcp") == {"congestion": "reno"}
+    assert cfg.transport_options("shm") == {}
+    assert prefill_config([], {}).transport_options("tcp") == {}
+    # A name the kernel refuses is a usage error before anything starts.
+    with pytest.raises(SystemExit) as exc:
+        load_up_config(["--kv-tcp-congestion", "no-such-cc"], {})
+    assert exc.value.code == 2
+    assert "--kv-tcp-congestion: cannot use" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--prefill", "0"], "need at least one prefill and one decode worker"),
+        (["--transport", "shm,rdma"], "transport must name shm or tcp"),
+        (["--transport", ""], "transport must name shm or tcp"),
+        (["--control-cpus", "100000"], "argument --control-cpus"),
+    ],
+)
+def test_a_stack_that_cannot_run_is_a_usage_error(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        load_up_config(argv, {})
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_smoke_takes_an_optional_question() -> None:
+    assert load_up_config([], {}).smoke is None
+    assert load_up_config(["--smoke"], {}).smoke == "What is the capital of France?"
+    assert load_up_config(["--smoke", "Why?"], {}).smoke == "Why?"
+    assert UpConfig(colocated=True, prefill=0).colocated
