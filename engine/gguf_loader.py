@@ -90,13 +90,6 @@ def unpermute_qk(weight: npt.NDArray[np.float32], n_head: int) -> npt.NDArray[np
     return np.ascontiguousarray(restored.reshape(weight.shape))
 
 
-def permute_qk(weight: npt.NDArray[np.float32], n_head: int) -> npt.NDArray[np.float32]:
-    """llama.cpp's forward permutation (the inverse of :func:`unpermute_qk`), for writers."""
-    half = weight.shape[0] // n_head // 2
-    permuted = weight.reshape(n_head, 2, half, *weight.shape[1:]).swapaxes(1, 2)
-    return np.ascontiguousarray(permuted.reshape(weight.shape))
-
-
 def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load a llama GGUF file: its config and HF-named, contiguous tensors in ``dtype``.
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from engine.output_processor import RequestOutput
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2
@@ -115,7 +113,3 @@ def usage(out: RequestOutput) -> common_pb2.Usage:
         completion_tokens=out.num_output_tokens,
         cached_tokens=out.num_cached_tokens,
     )
-
-
-def token_list(ids: Sequence[int]) -> list[int]:
-    return [int(t) for t in ids]
