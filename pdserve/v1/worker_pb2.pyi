@@ -8,16 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVDestination(_message.Message):
-    __slots__ = ("session_id", "region", "block_ids", "num_present_tokens")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("region", "block_ids", "num_present_tokens")
     REGION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PRESENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
     region: _common_pb2.MemoryRegionHandle
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_present_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., region: _Optional[_Union[_common_pb2.MemoryRegionHandle, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_present_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, region: _Optional[_Union[_common_pb2.MemoryRegionHandle, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_present_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "deadline_ms", "decode_worker_id", "kv_destination")
@@ -58,42 +56,6 @@ class PrefillReply(_message.Message):
     transfer_seconds: float
     transfer_tail_seconds: float
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transfer_tail_seconds: _Optional[float] = ...) -> None: ...
-
-class TransportOffer(_message.Message):
-    __slots__ = ("transport", "endpoint")
-    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
-    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
-    transport: str
-    endpoint: bytes
-    def __init__(self, transport: _Optional[str] = ..., endpoint: _Optional[bytes] = ...) -> None: ...
-
-class HandshakeRequest(_message.Message):
-    __slots__ = ("protocol_version", "reader_worker_id", "reader_host_id", "offers", "layout")
-    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
-    READER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    READER_HOST_ID_FIELD_NUMBER: _ClassVar[int]
-    OFFERS_FIELD_NUMBER: _ClassVar[int]
-    LAYOUT_FIELD_NUMBER: _ClassVar[int]
-    protocol_version: int
-    reader_worker_id: str
-    reader_host_id: str
-    offers: _containers.RepeatedCompositeFieldContainer[TransportOffer]
-    layout: _common_pb2.KVLayout
-    def __init__(self, protocol_version: _Optional[int] = ..., reader_worker_id: _Optional[str] = ..., reader_host_id: _Optional[str] = ..., offers: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ...) -> None: ...
-
-class HandshakeReply(_message.Message):
-    __slots__ = ("session_id", "transport", "endpoint", "protocol_version", "writer_worker_id")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
-    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
-    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
-    WRITER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    transport: str
-    endpoint: bytes
-    protocol_version: int
-    writer_worker_id: str
-    def __init__(self, session_id: _Optional[str] = ..., transport: _Optional[str] = ..., endpoint: _Optional[bytes] = ..., protocol_version: _Optional[int] = ..., writer_worker_id: _Optional[str] = ...) -> None: ...
 
 class DecodeGenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_address", "prefill_worker_id", "resume_token_ids")

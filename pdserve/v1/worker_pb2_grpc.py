@@ -63,8 +63,8 @@ class PrefillWorkerServicer:
         INVALID_ARGUMENT     empty prompt, token id >= vocab size, a bad sampling parameter,
         block_ids not covering the prompt exactly, a block id outside the
         region, num_present_tokens not a block multiple or not < prompt.
-        FAILED_PRECONDITION  unknown session_id (handshake again), a stale region_id, or a
-        region layout incompatible with the writer's.
+        FAILED_PRECONDITION  a stale region_id, or a region layout incompatible with the
+        writer's.
         RESOURCE_EXHAUSTED   the prefill queue or KV pool is full now; retry elsewhere or
         prefill locally.
         DEADLINE_EXCEEDED    the deadline passed (or could not be met: the writer refuses to
@@ -125,95 +125,6 @@ class PrefillWorker:
             _registered_method=True)
 
 
-class KVTransferStub:
-    """Served by KV writers (prefill workers): pair a reader and a writer on a transport.
-    """
-
-    def __init__(self, channel):
-        """Constructor.
-
-        Args:
-            channel: A grpc.Channel.
-        """
-        self.Handshake = channel.unary_unary(
-                '/pdserve.v1.KVTransfer/Handshake',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.HandshakeRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.HandshakeReply.FromString,
-                _registered_method=True)
-
-
-class KVTransferServicer:
-    """Served by KV writers (prefill workers): pair a reader and a writer on a transport.
-    """
-
-    def Handshake(self, request, context):
-        """Agree on a transport between a KV reader and a KV writer and exchange what each side
-        needs to connect (for RDMA: queue-pair numbers, GIDs, packet sequence numbers).
-
-        Caller: the reader (a decode worker), on a writer (a prefill worker), before its first
-        Prefill to that writer and whenever a Prefill answers FAILED_PRECONDITION for an
-        unknown session. Deadline: 5 s suggested. A session lasts until either side restarts.
-        Calling again replaces the pair's session (idempotent from the reader's view).
-
-        Errors:
-        FAILED_PRECONDITION  no offered transport is usable by the writer (e.g. "shm" across
-        hosts), or the layouts are incompatible (the message names the
-        differing field).
-        INVALID_ARGUMENT     no offers, empty reader_worker_id, unsupported protocol_version.
-        UNAVAILABLE          the worker is draining or shutting down.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-
-def add_KVTransferServicer_to_server(servicer, server):
-    rpc_method_handlers = {
-            'Handshake': grpc.unary_unary_rpc_method_handler(
-                    servicer.Handshake,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.HandshakeRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.HandshakeReply.SerializeToString,
-            ),
-    }
-    generic_handler = grpc.method_handlers_generic_handler(
-            'pdserve.v1.KVTransfer', rpc_method_handlers)
-    server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('pdserve.v1.KVTransfer', rpc_method_handlers)
-
-
- # This class is part of an EXPERIMENTAL API.
-class KVTransfer:
-    """Served by KV writers (prefill workers): pair a reader and a writer on a transport.
-    """
-
-    @staticmethod
-    def Handshake(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.KVTransfer/Handshake',
-            pdserve_dot_v1_dot_worker__pb2.HandshakeRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.HandshakeReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-
 class DecodeWorkerStub:
     """Served by decode and colocated workers: generate a request's tokens as a stream.
     """
@@ -261,7 +172,8 @@ class DecodeWorkerServicer:
         UNAVAILABLE          draining, or the prefill failed and local prefill was not
         possible; the trailing metadata "pdserve-failed-worker-id" names
         the worker at fault so the next placement can exclude it.
-        After the first event a failure ends the stream with a FINISH_REASON_ERROR event.
+        After the first event a failure ends the stream with an error status (events with
+        FINISH_REASON_ERROR and error_message are reserved).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -145,8 +145,19 @@ def test_services_and_methods() -> None:
         "ReportOutcome": unary,
     }
     assert shape(worker_pb2, "PrefillWorker") == {"Prefill": unary}
-    assert shape(worker_pb2, "KVTransfer") == {"Handshake": unary}
     assert shape(worker_pb2, "DecodeWorker") == {"Generate": server_stream, "Abort": unary}
+
+
+def test_what_nothing_implements_is_gone_or_reserved() -> None:
+    desc = worker_pb2.DESCRIPTOR
+    assert set(desc.services_by_name) == {"PrefillWorker", "DecodeWorker"}
+    assert not {"TransportOffer", "HandshakeRequest", "HandshakeReply"} & set(
+        desc.message_types_by_name
+    )
+    proto = descriptor_pb2.DescriptorProto()
+    desc.message_types_by_name["KVDestination"].CopyToProto(proto)
+    assert "session_id" in proto.reserved_name
+    assert [(r.start, r.end) for r in proto.reserved_range] == [(1, 2)]
 
 
 # --- (3) the stubs work over a real in-process gRPC server --------------------------------
@@ -405,9 +416,7 @@ SAMPLES: dict[str, Message] = {
             kv_transfer_seconds=0.004,
         ),
         scheduler_pb2.ReportOutcomeReply(),
-        worker_pb2.KVDestination(
-            session_id="sess-9", region=_REGION, block_ids=[7, 8, 100], num_present_tokens=16
-        ),
+        worker_pb2.KVDestination(region=_REGION, block_ids=[7, 8, 100], num_present_tokens=16),
         worker_pb2.PrefillRequest(
             request_id="req-1",
             prompt_token_ids=[1, 2, 3, 49151],
@@ -415,7 +424,7 @@ SAMPLES: dict[str, Message] = {
             deadline_ms=2000,
             decode_worker_id="decode-0",
             kv_destination=worker_pb2.KVDestination(
-                session_id="sess-9", region=_REGION, block_ids=[7], num_present_tokens=0
+                region=_REGION, block_ids=[7], num_present_tokens=0
             ),
         ),
         worker_pb2.PrefillReply(
@@ -429,24 +438,6 @@ SAMPLES: dict[str, Message] = {
             compute_seconds=0.2,
             transfer_seconds=0.19,
             transfer_tail_seconds=0.003,
-        ),
-        worker_pb2.TransportOffer(transport="rdma", endpoint=b"\x12\x34qpn-psn-gid"),
-        worker_pb2.HandshakeRequest(
-            protocol_version=1,
-            reader_worker_id="decode-0",
-            reader_host_id="machine-2/boot-1",
-            offers=[
-                worker_pb2.TransportOffer(transport="shm", endpoint=b""),
-                worker_pb2.TransportOffer(transport="tcp", endpoint=b"10.0.0.6:7100"),
-            ],
-            layout=_LAYOUT,
-        ),
-        worker_pb2.HandshakeReply(
-            session_id="sess-9",
-            transport="tcp",
-            endpoint=b"10.0.0.5:7101",
-            protocol_version=1,
-            writer_worker_id="prefill-0",
         ),
         worker_pb2.DecodeGenerateRequest(
             request_id="req-1",
