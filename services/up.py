@@ -23,7 +23,7 @@ import signal
 import sys
 import threading
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,11 +103,7 @@ class UpConfig:
         return frozenset({min(cores)}) if self.pin and len(cores) >= 2 else None
 
 
-def load_up_config(
-    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
-) -> UpConfig:
-    """``pdserve up``'s flags over ``PDSERVE_UP_*`` over defaults; exits 2 on a bad value."""
-    return settings.load(UpConfig, "up", argv, environ, prog="pdserve up", description=__doc__)
+load_up_config = settings.loader(UpConfig, "up", "pdserve up", __doc__)
 
 
 def prefill_flags(cfg: UpConfig) -> list[str]:

@@ -29,8 +29,10 @@ import os
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
+C = TypeVar("C")
+C_co = TypeVar("C_co", covariant=True)
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -203,12 +205,12 @@ def _add_flag(group: Any, flag: _Flag) -> None:
 
 
 def from_namespace(
-    cls: type,
+    cls: type[C],
     service: str,
     args: argparse.Namespace,
     parser: argparse.ArgumentParser,
     environ: Mapping[str, str] | None = None,
-) -> Any:
+) -> C:
     """The ``cls`` instance ``args`` (parsed by a parser ``add_arguments`` built) and the
     environment describe; a bad variable or an invalid config exits through
     ``parser.error`` (status 2)."""
@@ -248,17 +250,38 @@ def _build(cls: type, values: Mapping[str, Any], base: Any = None) -> Any:
 
 
 def load(
-    cls: type,
+    cls: type[C],
     service: str,
     argv: Sequence[str] | None = None,
     environ: Mapping[str, str] | None = None,
     *,
     prog: str | None = None,
     description: str | None = None,
-) -> Any:
-    """Parse ``argv`` (default: ``sys.argv[1:]``) over the environment over the defaults."""
+) -> C:
+    """Parse ``argv`` (default: ``sys.argv[1:]``) over the environment (default:
+    ``os.environ``) over the defaults."""
     parser = build_parser(cls, service, prog=prog, description=description)
     return from_namespace(cls, service, parser.parse_args(argv), parser, environ)
+
+
+class Loader(Protocol[C_co]):
+    def __call__(
+        self, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+    ) -> C_co: ...
+
+
+def loader(cls: type[C], service: str, prog: str, description: str | None = None) -> Loader[C]:
+    """A command's ``load_config(argv=None, environ=None)``: ``load`` for ``cls``."""
+
+    def load_config(
+        argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+    ) -> C:
+        return load(cls, service, argv, environ, prog=prog, description=description)
+
+    load_config.__doc__ = (
+        f"{prog}'s flags over PDSERVE_{service.upper()}_* over defaults; exits 2 on a bad value."
+    )
+    return load_config
 
 
 def build_parser(

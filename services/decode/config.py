@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.common import settings
@@ -54,10 +53,4 @@ class DecodeConfig:
             raise ValueError(f"prefill_deadline_s must be > 0, got {self.prefill_deadline_s}")
 
 
-def load_config(
-    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
-) -> DecodeConfig:
-    """Flags over ``PDSERVE_DECODE_*`` over defaults; exits 2 on a bad value."""
-    return settings.load(
-        DecodeConfig, "decode", argv, environ, prog="python -m services.decode", description=ABOUT
-    )
+load_config = settings.loader(DecodeConfig, "decode", "python -m services.decode", ABOUT)

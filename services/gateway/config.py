@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.common import settings
@@ -76,15 +75,4 @@ class GatewayConfig:
             raise ValueError("api_keys must not contain an empty key")
 
 
-def load_config(
-    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
-) -> GatewayConfig:
-    """Flags over ``PDSERVE_GATEWAY_*`` over defaults; exits 2 on a bad value."""
-    return settings.load(
-        GatewayConfig,
-        "gateway",
-        argv,
-        environ,
-        prog="python -m services.gateway",
-        description=ABOUT,
-    )
+load_config = settings.loader(GatewayConfig, "gateway", "python -m services.gateway", ABOUT)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.common import settings
@@ -52,15 +51,4 @@ class PrefillConfig:
         return {}
 
 
-def load_config(
-    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
-) -> PrefillConfig:
-    """Flags over ``PDSERVE_PREFILL_*`` over defaults; exits 2 on a bad value."""
-    return settings.load(
-        PrefillConfig,
-        "prefill",
-        argv,
-        environ,
-        prog="python -m services.prefill",
-        description=ABOUT,
-    )
+load_config = settings.loader(PrefillConfig, "prefill", "python -m services.prefill", ABOUT)

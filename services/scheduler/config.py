@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from services.common import settings
@@ -96,11 +95,4 @@ class SchedulerConfig:
         )
 
 
-def load_config(
-    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
-) -> SchedulerConfig:
-    """Flags over ``PDSERVE_SCHEDULER_*`` over defaults; exits 2 on a bad value."""
-    return settings.load(
-        SchedulerConfig, "scheduler", argv, environ,
-        prog="python -m services.scheduler", description=ABOUT,
-    )  # fmt: skip
+load_config = settings.loader(SchedulerConfig, "scheduler", "python -m services.scheduler", ABOUT)
