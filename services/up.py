@@ -82,8 +82,8 @@ class UpConfig:
     echo_logs: bool = setting(False, "copy every process log to stderr")
     smoke: str | None = setting(
         None,
-        "send one streaming chat request through the gateway (default question: "
-        f"{SMOKE_QUESTION!r}), print the answer and stop",
+        "send one streaming chat request through the gateway, print the answer and stop "
+        f"(the flag alone asks {SMOKE_QUESTION!r})",
         const=SMOKE_QUESTION,
         metavar="QUESTION",
     )

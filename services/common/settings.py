@@ -106,7 +106,7 @@ class _Flag:
         except argparse.ArgumentTypeError as exc:
             raise ValueError(str(exc)) from None
         except ValueError as exc:
-            kind = {int: "an integer", float: "a number"}.get(base)
+            kind = None if parse else {int: "an integer", float: "a number"}.get(base)
             raise ValueError(f"expected {kind}, got {text!r}" if kind else str(exc)) from None
         choices = self.meta.get("choices")
         if choices is not None and value not in choices:
@@ -115,9 +115,8 @@ class _Flag:
 
 
 def _is_optional(tp: Any) -> bool:
-    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(
-        None
-    ) in typing.get_args(tp)
+    is_union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    return is_union and type(None) in typing.get_args(tp)
 
 
 def _boolean(text: str) -> bool:
@@ -148,7 +147,7 @@ def _flat(config: Any) -> dict[str, Any]:
 def _flags(cls: type) -> list[tuple[str | None, _Flag]]:
     """Every leaf of ``cls``'s config tree as ``(group, flag)``: group None for ``cls``'s
     own fields, else the name of the nested field holding it. Defaults are those of
-    ``cls()``, so a ``nested`` field's overrides count."""
+    ``cls()``, so what a nested field's ``default_factory`` changes counts."""
     defaults = _flat(cls())
     out: list[tuple[str | None, _Flag]] = []
 
@@ -200,7 +199,8 @@ def _add_flag(group: Any, flag: _Flag) -> None:
 
     choices = meta.get("choices")
     metavar = meta.get("metavar") or ("{" + ",".join(choices) + "}" if choices else None)
-    extra: dict[str, Any] = {"nargs": "?", "const": meta["const"]} if meta["const"] else {}
+    const = meta.get("const")
+    extra: dict[str, Any] = {"nargs": "?", "const": const} if const is not None else {}
     group.add_argument(flag_name(flag.name), type=convert, metavar=metavar, **extra, **common)
 
 
