@@ -100,17 +100,3 @@ class DecodeEvent(_message.Message):
     prefill_worker_id: str
     kv_transfer_bytes: int
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., produced_unix_ns: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., error_message: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., prefill_worker_id: _Optional[str] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
-
-class AbortRequest(_message.Message):
-    __slots__ = ("request_id", "reason")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    REASON_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    reason: str
-    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
-
-class AbortReply(_message.Message):
-    __slots__ = ("found",)
-    FOUND_FIELD_NUMBER: _ClassVar[int]
-    found: bool
-    def __init__(self, found: _Optional[bool] = ...) -> None: ...

@@ -140,11 +140,6 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeGenerateRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeEvent.FromString,
                 _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/pdserve.v1.DecodeWorker/Abort',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.AbortReply.FromString,
-                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -179,14 +174,6 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Abort(self, request, context):
-        """Stop a request: its stream ends with a FINISH_REASON_ABORT event and its blocks are
-        freed. Caller: the gateway or an operator. Deadline: 1 s. Idempotent.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -194,11 +181,6 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeGenerateRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeEvent.SerializeToString,
-            ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.AbortRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.AbortReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -229,33 +211,6 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Generate',
             pdserve_dot_v1_dot_worker__pb2.DecodeGenerateRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.DecodeEvent.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Abort(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.DecodeWorker/Abort',
-            pdserve_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.AbortReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -195,9 +195,3 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             ev.kv_transfer_bytes = kv_bytes
             ev.prefill_worker_id = prefill_id
         return ev
-
-    async def Abort(
-        self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> worker_pb2.AbortReply:
-        found = await self.aengine.abort(request.request_id)
-        return worker_pb2.AbortReply(found=found)

@@ -145,7 +145,7 @@ def test_services_and_methods() -> None:
         "ReportOutcome": unary,
     }
     assert shape(worker_pb2, "PrefillWorker") == {"Prefill": unary}
-    assert shape(worker_pb2, "DecodeWorker") == {"Generate": server_stream, "Abort": unary}
+    assert shape(worker_pb2, "DecodeWorker") == {"Generate": server_stream}
 
 
 def test_what_nothing_implements_is_gone_or_reserved() -> None:
@@ -459,8 +459,6 @@ SAMPLES: dict[str, Message] = {
             prefill_worker_id="prefill-0",
             kv_transfer_bytes=123_456_789,
         ),
-        worker_pb2.AbortRequest(request_id="req-1", reason="client disconnected"),
-        worker_pb2.AbortReply(found=True),
     ]
 }
 
