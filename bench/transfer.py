@@ -1126,10 +1126,10 @@ def run_hop(cfg: BenchConfig) -> HopResult:
             errors["gateway → decode gRPC"] = "services.gateway has no --backend cluster"
         else:
             grpc_port = _free_port()
-            pin = ["--pin", "--control-cpus", str(min(client))] if client else []
+            pin = ["--pin", "--control-cpus", str(min(client))] if client else ["--no-pin"]
             gw = Service(
                 ["-m", "services.cli", "up", "--colocated", "--http-port", str(_free_port()),
-                 "--grpc-port", str(grpc_port), "--threads-per-worker", "1",
+                 "--grpc-port", str(grpc_port), "--threads", "1",
                  "--kv-cache-mib", str(HOP_KV_MIB), *pin], cpus=client,
             )  # fmt: skip
             gw.address = f"127.0.0.1:{grpc_port}"

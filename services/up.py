@@ -68,7 +68,7 @@ class UpConfig:
         True,
         "pin each worker to its own CPU core (decode workers first, away from "
         "--control-cpus first); when some control cores run no worker, only each worker's "
-        "engine thread is held to its core, and its event loop, gRPC and KV sender threads "
+        "engine thread is held to its core, and its event loop, gRPC and KV writer threads "
         "may also run on those",
     )
     control_cpus: frozenset[int] | None = setting(
@@ -133,7 +133,7 @@ def worker_placement(
     """``(the worker process's cores, its pinning flags)`` under ``--pin``.
 
     A worker's engine thread always gets its core from ``plan``. Its other threads (event
-    loop, gRPC, KV senders) may also run on the control cores that no worker's engine is
+    loop, gRPC, KV writers) may also run on the control cores that no worker's engine is
     pinned to: with ``--engine-cpus`` keeping the engine thread on its core, they then run
     beside a step's compute instead of queueing behind it for the one core (measured in
     docs/benchmarks.md, "Serving hop"). A control core that runs another worker's engine is

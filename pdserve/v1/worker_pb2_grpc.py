@@ -52,26 +52,23 @@ class PrefillWorkerServicer:
         Caller: a decode worker, which has reserved the destination blocks first. Deadline: the
         call's gRPC deadline equals PrefillRequest.deadline_ms.
 
-        Contract: OK means the KV of prompt tokens [kv_destination.num_present_tokens,
-        prompt length) is in the destination blocks and visible to the reader (every write
-        completed). Any error means the destination blocks' contents are undefined. The writer
-        never writes into the destination more than deadline_ms after it received the request,
-        so after an error or a cancellation the reader may reuse the blocks once deadline_ms
-        plus its lease grace has passed since it sent the request (the KV lease).
+        Contract: OK means the KV of every prompt token is in the destination blocks and
+        visible to the reader (every write completed). Any error means the destination blocks'
+        contents are undefined. The writer stops writing into the destination deadline_ms after
+        it received the request (bytes already in a socket buffer may still land), so after an
+        error or a cancellation the reader may reuse the blocks once deadline_ms plus its lease
+        grace has passed since it sent the request (the KV lease).
 
         Errors:
         INVALID_ARGUMENT     empty prompt, token id >= vocab size, a bad sampling parameter,
         block_ids not covering the prompt exactly, a block id outside the
-        region, num_present_tokens not a block multiple or not < prompt.
-        FAILED_PRECONDITION  a stale region_id, or a region layout incompatible with the
-        writer's.
-        RESOURCE_EXHAUSTED   the prefill queue or KV pool is full now; retry elsewhere or
-        prefill locally.
-        DEADLINE_EXCEEDED    the deadline passed (or could not be met: the writer refuses to
-        start a write it cannot finish in time).
-        ABORTED              the transfer failed midway (peer memory or connection lost);
-        retryable on another pair.
-        UNAVAILABLE          the worker is draining or shutting down.
+        region, a transport this worker does not serve.
+        FAILED_PRECONDITION  a region layout incompatible with the writer's.
+        RESOURCE_EXHAUSTED   the KV pool is full now; retry elsewhere or prefill locally.
+        DEADLINE_EXCEEDED    the deadline passed.
+        UNAVAILABLE          the destination is unreachable, the transfer failed midway (peer
+        memory or connection lost; retryable on another pair), or the
+        worker is draining.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -154,19 +151,19 @@ class DecodeWorkerServicer:
         frees its KV blocks.
 
         The worker reserves KV blocks, has the prompt prefilled (by prefill_address, or locally
-        when it is empty or when the remote prefill fails and local prefill is possible), then
-        streams DecodeEvents: the first as soon as the first token exists, and then one per
-        decode step (several tokens may be coalesced into one event when the reader is slower
-        than generation). Exactly the last event has finish_reason set and carries usage and
-        timing.
+        when it is empty or the prompt is short enough for the worker's local-prefill limit),
+        then streams DecodeEvents: the first as soon as the first token exists, and then one
+        per decode step (several tokens may be coalesced into one event when the reader is
+        slower than generation). Exactly the last event has finish_reason set and carries usage.
 
-        Errors before the first event (the gateway may then re-place the request):
-        INVALID_ARGUMENT     bad prompt or sampling parameters (as Gateway.Generate).
-        ALREADY_EXISTS       request_id is already running on this worker.
+        Errors before the first event:
+        INVALID_ARGUMENT     bad prompt or sampling parameters (as Gateway.Generate), or
+        request_id already running on this worker.
         RESOURCE_EXHAUSTED   no room in the KV pool or the running batch now.
-        UNAVAILABLE          draining, or the prefill failed and local prefill was not
-        possible; the trailing metadata "pdserve-failed-worker-id" names
-        the worker at fault so the next placement can exclude it.
+        UNAVAILABLE          draining.
+        (the remote prefill's status) the Prefill call failed: its code and message.
+        Reserved, not implemented yet: a fallback to local prefill after a failed remote one,
+        and trailing metadata "pdserve-failed-worker-id" naming the worker at fault.
         After the first event a failure ends the stream with an error status (events with
         FINISH_REASON_ERROR and error_message are reserved).
         """

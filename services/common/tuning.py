@@ -28,7 +28,7 @@ class Tuning:
     engine_cpus: frozenset[int] | None = setting(
         None,
         "pin the engine thread (and the torch threads it starts) to these cores (comma "
-        "list). The event loop, gRPC and KV sender threads keep all the process's cores, so "
+        "list). The event loop, gRPC and KV writer threads keep all the process's cores, so "
         "with more cores than these they run beside a step's compute instead of waiting for "
         "the CPU (pdserve up --pin sets it when control cores are free; none: not pinned)",
         parse=cpu_list,
