@@ -9,8 +9,10 @@ the copy *is* the delivery.
 
 Liveness without a connection: the owner holds an exclusive ``flock`` on the segment for its
 whole life; the kernel drops it when the owner exits, even on SIGKILL. A writer probes with a
-non-blocking shared lock when a job starts and when it ends: if it gets the lock the owner is
-gone, the job fails with ``TransferError``, and the writer unlinks the orphaned segment.
+non-blocking shared lock when a job starts: if it gets the lock the owner is gone, the job
+fails with ``TransferError``, and the writer unlinks the orphaned segment. An owner that dies
+during a job is the decode worker that asked for it: the cancelled call tells the prefill
+worker, which aborts the job.
 ``sweep_stale_segments`` does the same for a whole directory (call it at worker start).
 ``handle.key`` is not checked here: file permissions (0600, same user) guard the segment.
 """
@@ -200,9 +202,6 @@ class ShmWriter(OwnerThreadWriter):
         self._launch()
 
     def _start(self, work: JobWork) -> None:
-        self._check_owner()
-
-    def _check_owner(self) -> None:
         if not _owner_alive(self._fd):
             _unlink_if_same(self._path, self._fd)
             raise TransferError(f"owner of shm segment {self._path} is gone")
@@ -232,8 +231,7 @@ class ShmWriter(OwnerThreadWriter):
         self._moved(work, start, stop)
 
     def _end(self, work: JobWork) -> None:
-        self._check_owner()
-        self._succeed(work)
+        self._succeed(work)  # the copy is the delivery
 
     def _release(self) -> None:
         os.close(self._fd)
