@@ -34,7 +34,7 @@ from engine.sampling_params import SamplingParams
 # rand() can return exactly 0; clamping keeps E = -log(u) finite so no surviving token's
 # race score p / E can collapse to 0 (which could let a dropped token win a tie at 0).
 _MIN_UNIFORM = 2.0**-30
-# Floor for (x - max) / T. exp() and divisions that produce subnormal floats run ~35x slower
+# Floor for (x - max) / T. exp() and divisions that produce subnormal floats are very slow
 # on CPU; exp(-80) / 20.8 (the largest E we draw) is still a normal float32.
 _MIN_EXPONENT = -80.0
 
@@ -136,7 +136,7 @@ class Sampler:
         totals = weights.sum(dim=-1)
 
         # Per-row loops of F.threshold_ below: a [rows, V] bool mask (masked_fill/where) costs
-        # ~10x more on CPU than thresholding each row against its own scalar.
+        # far more on CPU than thresholding each row against its own scalar.
         top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
         if any(top_k):
             k_max = max(top_k)

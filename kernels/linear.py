@@ -1,11 +1,10 @@
 """Dense projections ``y = x @ W^T`` with the weight pre-packed for the CPU's GEMM.
 
-At decode batch sizes (M = 8..64 rows) torch's default CPU ``F.linear`` (MKL ``sgemm`` on
-a row-major weight) reaches 40-70 GFLOP/s on this project's machines, and only ~22 GFLOP/s
-on the tall LM head (49,152 x 576). oneDNN's inner-product primitive on a weight reordered
-once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, the path torch's
-own inductor uses for CPU) reaches 70-80 GFLOP/s and ~58 on the LM head for the same
-shapes, with results equal to ``F.linear`` up to float32 rounding (~1e-6 relative).
+At decode batch sizes (M = 8..64 rows) oneDNN's inner-product primitive on a weight
+reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, the
+path torch's own inductor uses for CPU) is faster than torch's default CPU ``F.linear``
+(MKL ``sgemm`` on a row-major weight), most of all on the tall LM head (docs/benchmarks.md,
+engine), with results equal to ``F.linear`` up to float32 rounding.
 
 ``PackedLinear`` holds one weight and picks the path once: packed when the weight is a
 float32 CPU tensor and oneDNN is available, unless its caller says ``pack=False`` (the
@@ -21,8 +20,8 @@ import torch.nn.functional as F
 
 log = structlog.get_logger(__name__)
 
-# The reorder takes a batch-size hint; 32 gave the best packed layout for 1..1,024 rows
-# on the development machine (within noise of the best at every size).
+# The reorder takes a batch-size hint; 32 packs well for every batch size the engine runs
+# (1..1,024 rows).
 BATCH_HINT = 32
 _probe: bool | None = None
 
