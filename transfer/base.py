@@ -51,7 +51,7 @@ import torch
 
 from transfer.errors import TransferError
 from transfer.handle import KVLayout, MemoryRegionHandle
-from transfer.plan import BlockPlan, check_layer
+from transfer.plan import BlockPlan, check_layer, plan_blocks
 
 
 class JobState(enum.Enum):
@@ -236,7 +236,6 @@ class RegionWriter(ABC):
         self.handle = handle
         self.source = source
 
-    @abstractmethod
     def begin(
         self,
         request_id: str,
@@ -252,10 +251,25 @@ class RegionWriter(ABC):
         target found gone, or a request id with a job in flight on this writer, fails the
         job (its outcome), not the call.
         """
+        if not isinstance(request_id, str) or not request_id:
+            raise TransferError(f"request_id must be a non-empty string, got {request_id!r}")
+        if (
+            not isinstance(deadline, int | float)
+            or isinstance(deadline, bool)
+            or deadline != deadline
+        ):
+            raise TransferError(f"deadline must be time.monotonic() seconds, got {deadline!r}")
+        if self.closed:
+            raise TransferError(f"writer to region {self.handle.region_id} is closed")
+        plan = plan_blocks(self.source.layout, self.handle.layout, src_block_ids, dst_block_ids)
+        job = TransferJob(self, request_id, plan, float(deadline))
+        self.post(("begin", job, None))
+        return job
 
     @abstractmethod
     def post(self, message: tuple[str, TransferJob, object]) -> None:
-        """Hand ``(kind, job, argument)`` to the owner thread (``TransferJob`` calls this)."""
+        """Hand ``(kind, job, argument)`` to the owner thread (``TransferJob`` and ``begin``
+        call this); a ``begin`` posted to a closed writer fails its job."""
 
     @abstractmethod
     def stats(self) -> TransferStats: ...

@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 from abc import abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import structlog
 
@@ -37,7 +37,6 @@ from transfer.base import (
 )
 from transfer.errors import TransferError, TransferTimeout
 from transfer.handle import MemoryRegionHandle
-from transfer.plan import plan_blocks
 
 log = structlog.get_logger(__name__)
 
@@ -120,29 +119,6 @@ class OwnerThreadWriter(RegionWriter):
         self._thread.start()
 
     # --- any thread ----------------------------------------------------------------------
-
-    def begin(
-        self,
-        request_id: str,
-        src_block_ids: Sequence[int],
-        dst_block_ids: Sequence[int],
-        *,
-        deadline: float,
-    ) -> TransferJob:
-        if not isinstance(request_id, str) or not request_id:
-            raise TransferError(f"request_id must be a non-empty string, got {request_id!r}")
-        if (
-            not isinstance(deadline, int | float)
-            or isinstance(deadline, bool)
-            or deadline != deadline
-        ):
-            raise TransferError(f"deadline must be time.monotonic() seconds, got {deadline!r}")
-        if self._closing.is_set():
-            raise self._closed_error()
-        plan = plan_blocks(self.source.layout, self.handle.layout, src_block_ids, dst_block_ids)
-        job = TransferJob(self, request_id, plan, float(deadline))
-        self.post(("begin", job, None))
-        return job
 
     def post(self, message: tuple[str, TransferJob, object]) -> None:
         with self._post_lock:
