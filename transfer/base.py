@@ -51,7 +51,7 @@ import torch
 
 from transfer.errors import TransferError
 from transfer.handle import KVLayout, MemoryRegionHandle
-from transfer.plan import BlockPlan, check_layer, plan_blocks
+from transfer.plan import BlockPlan, plan_blocks
 
 
 class JobState(enum.Enum):
@@ -207,9 +207,8 @@ class TransferJob:
 
     def write_layer(self, layer: int) -> None:
         """Queue the move of ``layer``'s KV, which the source pool now holds (each layer at
-        most once). Never blocks; ``TransferError`` only for a layer outside the layout: a
-        job that failed ignores further layers (its outcome says why)."""
-        check_layer(layer, self.plan.num_layers)
+        most once). Only posts: never blocks, never raises. A layer outside the layout, or
+        written twice or after ``finish``, fails the job; a job that failed ignores it."""
         self._writer.post(("layer", self, layer))
 
     def finish(self) -> Future[TransferResult]:

@@ -37,6 +37,7 @@ from transfer.base import (
 )
 from transfer.errors import TransferError, TransferTimeout
 from transfer.handle import MemoryRegionHandle
+from transfer.plan import check_layer
 
 log = structlog.get_logger(__name__)
 
@@ -44,20 +45,29 @@ _CLOSE_TIMEOUT_S = 5.0
 
 
 class Owned:
-    """State that one thread alone may change: setting an attribute from any other thread is
-    a bug, which an assert catches (``python -O`` drops the check). The owner is the thread
-    that made the object."""
+    """State that one thread alone may change: the thread that made the object.
+
+    ``check_owners()`` (the tests call it) makes setting an attribute from any other thread
+    fail an assert; unchecked, the state costs what any object does.
+    """
 
     def __init__(self) -> None:
         object.__setattr__(self, "_owner", threading.get_ident())
 
-    if __debug__:
 
-        def __setattr__(self, name: str, value: object) -> None:
-            assert threading.get_ident() == self._owner, (
-                f"{type(self).__name__}.{name} set off its owner thread"
-            )
-            object.__setattr__(self, name, value)
+def _set_on_owner_thread(self: Owned, name: str, value: object) -> None:
+    assert threading.get_ident() == self._owner, (  # type: ignore[attr-defined]
+        f"{type(self).__name__}.{name} set off its owner thread"
+    )
+    object.__setattr__(self, name, value)
+
+
+def check_owners(enabled: bool = True) -> None:
+    """Turn the owner-thread assert of every ``Owned`` attribute write on (or off again)."""
+    if enabled:
+        Owned.__setattr__ = _set_on_owner_thread  # type: ignore[method-assign,assignment]
+    elif "__setattr__" in Owned.__dict__:
+        del Owned.__setattr__
 
 
 class JobWork(Owned):
@@ -103,12 +113,12 @@ class OwnerThreadWriter(RegionWriter):
         weakref.finalize(self, os.close, self._wake)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._wake, selectors.EVENT_READ, self._on_wake)
-        self._closing = threading.Event()
-        # Orders posts against close() (a message posted before closing is set is in the
-        # inbox when the owner takes its last messages, so every begun job gets an outcome)
-        # and against the owner going to sleep (``_asleep``: it waits for a wake-up).
+        # Guards the two flags below. It orders posts against close() (a message posted
+        # before ``_closed`` is set is in the inbox when the owner takes its last messages,
+        # so every begun job gets an outcome) and against the owner going to sleep.
         self._post_lock = threading.Lock()
-        self._asleep = False
+        self._closed = False  # set once, by close() or the owner on its way out
+        self._asleep = False  # the owner waits for a wake-up
         self._works: dict[str, JobWork] = {}  # owner thread only; in begin order
         self._stats = TransferStats()  # replaced whole by the owner; read by anyone
         self._thread = threading.Thread(
@@ -122,7 +132,7 @@ class OwnerThreadWriter(RegionWriter):
 
     def post(self, message: tuple[str, TransferJob, object]) -> None:
         with self._post_lock:
-            if self._closing.is_set():
+            if self._closed:
                 if message[0] == "begin":  # never reached the owner: fail it here
                     message[1].outcome.set_exception(self._closed_error())
                 return  # a job posted to before: the owner failed it at close
@@ -139,13 +149,13 @@ class OwnerThreadWriter(RegionWriter):
 
     @property
     def closed(self) -> bool:
-        return self._closing.is_set()
+        return self._closed
 
     def close(self) -> None:
         with self._post_lock:
-            if self._closing.is_set():
+            if self._closed:
                 return
-            self._closing.set()
+            self._closed = True
         os.eventfd_write(self._wake, 1)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(_CLOSE_TIMEOUT_S)
@@ -188,7 +198,7 @@ class OwnerThreadWriter(RegionWriter):
         with contextlib.suppress(OSError, AttributeError):  # not Linux, or not allowed
             os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
         try:
-            while not self._closing.is_set():
+            while not self._closed:
                 self._take_messages()
                 self._move()
                 self._end_ready()
@@ -202,7 +212,7 @@ class OwnerThreadWriter(RegionWriter):
             )
         finally:
             with self._post_lock:
-                self._closing.set()
+                self._closed = True
             self._take_messages()  # begun before closing: failed below with the rest
             self._fail_all(self._closed_error())
             self._release()
@@ -245,7 +255,7 @@ class OwnerThreadWriter(RegionWriter):
             if work is None or work.job is not job:
                 continue  # the job ended already; its outcome says how
             if kind == "layer":
-                self._on_layer(work, arg)  # type: ignore[arg-type]
+                self._on_layer(work, arg)
             elif kind == "finish" and not work.ending:
                 work.ending = True
                 work.finish_at = time.monotonic()
@@ -268,7 +278,13 @@ class OwnerThreadWriter(RegionWriter):
             return
         self._works[job.request_id] = work
 
-    def _on_layer(self, work: JobWork, layer: int) -> None:
+    def _on_layer(self, work: JobWork, layer: object) -> None:
+        try:
+            check_layer(layer, work.job.plan.num_layers)
+        except TransferError as exc:
+            self._fail(work, TransferError(f"{work.job.request_id!r}: {exc}"))
+            return
+        assert isinstance(layer, int)
         bit = 1 << layer
         if work.written & bit:
             self._fail(

@@ -177,11 +177,17 @@ def test_a_jobs_progress_changes_only_on_its_writers_owner_thread(
 def test_changing_a_jobs_progress_off_its_owner_thread_is_caught() -> None:
     made: list[JobWork] = []
     job = type("Job", (), {"outcome": None})()
-    thread = threading.Thread(target=lambda: made.append(JobWork(job)))  # type: ignore[arg-type]
+
+    def on_its_own_thread() -> None:
+        made.append(JobWork(job))  # type: ignore[arg-type]
+        made[0].pending = 1  # its owner may
+
+    thread = threading.Thread(target=on_its_own_thread)
     thread.start()
     thread.join()
+    assert made[0].pending == 1
     with pytest.raises(AssertionError, match=r"JobWork\.pending set off its owner thread"):
-        made[0].pending = 1
+        made[0].pending = 2
 
 
 def test_bad_calls_fail_the_call_or_the_job_with_the_reason(
@@ -197,9 +203,11 @@ def test_bad_calls_fail_the_call_or_the_job_with_the_reason(
         writer.begin("", [0], [0], deadline=deadline)
     with pytest.raises(TransferError, match="deadline"):
         writer.begin("nan", [0], [0], deadline=float("nan"))
+    outside = writer.begin("outside", [0], [0], deadline=deadline)
+    outside.write_layer(4)
+    with pytest.raises(TransferError, match="'outside': layer 4 outside"):
+        outside.finish().result(10)
     job = writer.begin("layers", [0], [0], deadline=deadline)
-    with pytest.raises(TransferError, match="layer 4 outside"):
-        job.write_layer(4)
     job.write_layer(1)
     job.write_layer(1)
     with pytest.raises(TransferError, match="layer 1 of 'layers' written twice"):
@@ -210,7 +218,7 @@ def test_bad_calls_fail_the_call_or_the_job_with_the_reason(
         second.outcome.result(10)
     first.write_layer(0)
     assert first.finish().result(10).layers == 1
-    assert writer.stats().failures == 1  # the double layer; the refused begin never ran
+    assert writer.stats().failures == 2  # the bad layers; the refused begin never ran
 
 
 def test_an_incompatible_source_is_refused_at_connect() -> None:
