@@ -43,6 +43,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         eng = aengine.engine
         self.source = KVSource(eng.kv.as_bytes(), KVLayout.from_spec(eng.kv_spec))
         self.inflight = 0
+        self._releases: set[asyncio.Task[None]] = set()
         for name in transports:  # export the series at 0 before the first transfer
             metrics.TRANSFER_BYTES.labels(ROLE, name)
 
@@ -133,8 +134,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 job.abort(f"failed: {type(e).__name__}")
             await self._fail(context, e)
         finally:
-            # The source blocks are read by the transfer until its outcome is in.
-            await asyncio.shield(self._release_when_stopped(rid, job))
+            # The source blocks are read by the transfer until its outcome is in; the
+            # release waits for that, and the reply need not wait for the release (a
+            # command to the engine thread, which may be computing another prompt).
+            self._release_later(rid, job)
         done = time.monotonic()
         metrics.TRANSFER_BYTES.labels(ROLE, handle.transport).inc(result.bytes)
         metrics.TRANSFER_SECONDS.labels(ROLE, handle.transport).observe(result.seconds)
@@ -163,6 +166,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         metrics.ERRORS.labels(ROLE, type(e).__name__).inc()
         await abort_with(context, e)
         raise AssertionError("unreachable") from e
+
+    def _release_later(self, rid: str, job: TransferJob | None) -> None:
+        task = asyncio.get_running_loop().create_task(self._release_when_stopped(rid, job))
+        self._releases.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._releases.discard)
 
     async def _release_when_stopped(self, rid: str, job: TransferJob | None) -> None:
         """Release the request's local blocks once no transfer reads them any more."""
