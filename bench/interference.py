@@ -42,6 +42,9 @@ from typing import Any
 from bench._common import machine_info, pinned
 
 MODES = ("colocated", "colocated-chunked", "disaggregated")
+# On request only: the disaggregated stack with `pdserve up --no-pin` (the OS places every
+# process and thread), the reference for what pinning buys.
+UNPINNED = "disaggregated-unpinned"
 PEER = "llama.cpp"
 
 
@@ -67,6 +70,7 @@ def modes_for(args: argparse.Namespace) -> list[Mode]:
     # redis, scheduler and gateway share the prefill worker's core: the decode core is the
     # decode worker's alone (a colocated worker has no core to spare, so there they float).
     disaggregated += ("--control-cpus", first_core)
+    unpinned = ("--prefill", "1", "--decode", "1", "--no-pin", "--threads", "1")
     transport = ("--transport", args.transport)
     table = {
         "colocated": Mode(
@@ -85,6 +89,11 @@ def modes_for(args: argparse.Namespace) -> list[Mode]:
             describe=f"1 prefill + 1 decode, a core and 1 thread each, {args.transport}; "
             "control plane and this client on the prefill core",
             client_cpus=frozenset({int(first_core)}),
+        ),
+        UNPINNED: Mode(
+            UNPINNED,
+            (*unpinned, *transport, *common),
+            describe=f"1 prefill + 1 decode, 1 thread each, {args.transport}, nothing pinned",
         ),
         PEER: Mode(
             PEER,
@@ -359,7 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--modes", nargs="+", choices=(*MODES, UNPINNED), default=list(MODES),
+                   help=f"what to run (default: all but {UNPINNED})")  # fmt: skip
     p.add_argument("--peer", action="store_true", help="also run llama.cpp's llama-server")
     p.add_argument("--streams", type=int, default=8, help="steady decode streams")
     p.add_argument("--stream-prompt-tokens", type=int, default=32)

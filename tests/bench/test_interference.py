@@ -87,6 +87,16 @@ def test_every_mode_parses_with_pdserve_up_flags() -> None:
     assert modes[0].client_cpus is None and modes[1].client_cpus is None
 
 
+def test_the_unpinned_reference_mode_runs_the_same_stack_without_pinning() -> None:
+    args = interference.build_parser().parse_args(["--modes", interference.UNPINNED])
+    (mode,) = interference.modes_for(args)
+    up = load_up_config(list(mode.up_flags), {})
+    assert (up.prefill, up.decode, up.pin, up.engine.threads) == (1, 1, False, 1)
+    assert up.transport == ("shm",) and mode.client_cpus is None
+    default = interference.build_parser().parse_args([])
+    assert interference.UNPINNED not in default.modes
+
+
 def test_gaps_are_split_by_what_the_long_requests_were_doing() -> None:
     # one long request: sent at 1.0 s, first token at 2.0 s, last token at 2.1 s
     longs = [_long(9, 1.0, 1.0)]
