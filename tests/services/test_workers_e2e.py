@@ -193,6 +193,29 @@ async def test_cancel_during_the_prefill_frees_blocks_on_both_workers(
     assert len(toks) == MAX_TOKENS
 
 
+async def test_a_short_prompt_is_answered_without_waiting_for_a_long_ones_prefill(
+    cluster, default_tokenizer, prompts
+) -> None:
+    """The prefill worker replies once a prompt's KV is confirmed; releasing its blocks
+    (a command to the engine thread, busy with the next prompt) happens after the reply."""
+    procs, _ = cluster
+    long_ids = default_tokenizer.encode("Tell me everything about mountains. " * 110)
+    loop = asyncio.get_running_loop()
+    firsts: dict[str, float] = {}
+
+    async def first_token(rid: str, ids: list[int]) -> None:
+        req = _request(rid, ids, procs["prefill"].address, max_tokens=2)
+        async with grpc.aio.insecure_channel(procs["shm"].address) as ch:
+            async for _ in worker_pb2_grpc.DecodeWorkerStub(ch).Generate(req, timeout=120):
+                firsts.setdefault(rid, loop.time())
+
+    short = asyncio.ensure_future(first_token("short", prompts[0]))
+    await asyncio.sleep(0.05)  # the long prompt arrives while the short one computes
+    await asyncio.gather(short, first_token("long", long_ids))
+    # The long prompt's prefill takes seconds here; the short one's reply must not wait it.
+    assert firsts["long"] - firsts["short"] > 1.0
+
+
 async def test_bad_input_gets_invalid_argument(cluster, prompts) -> None:
     procs, _ = cluster
     dec = procs["shm"].address
