@@ -13,9 +13,9 @@ an order shuffled every round (a fixed order can phase-lock with a periodic dist
 - ``memcpy bulk``: one memcpy of the request's byte volume between two buffers here;
 - ``memcpy``: one memcpy per range a transport moves, between two buffers here (the
   reference ``shm`` is judged against). Each memcpy is a memoryview slice assignment, the
-  cheapest per-call way Python has to run libc's memcpy (~0.7 us a call; ctypes.memmove
-  costs ~1.5 us, torch ``copy_`` ~4 us and copies ~0.65x as fast on this CPU), so the ratio
-  is the transport's own overhead on top of the copies themselves;
+  cheapest per-call way Python has to run libc's memcpy (docs/benchmarks.md compares it with
+  ctypes.memmove and torch ``copy_``), so the ratio is the transport's own overhead on top
+  of the copies themselves;
 - ``shm`` / ``tcp``: ``begin`` (which plans the block runs once) -> ``write_layer`` for all
   30 layers -> ``finish``, timed from ``begin`` to the outcome in hand (the writer's owner
   thread moves the bytes and resolves it); ``wait`` is ``TransferResult.wait_seconds``,
@@ -28,8 +28,8 @@ Every method's bytes are checked after its timed repeats (per-block sums at the 
 equal the source's). Torch runs one thread in every process: each method copies on one core.
 With 2+ cores this process runs on the first and the three peers on the second
 (``--no-transfer-pin`` leaves them floating): the socket sender and its sink, and the tcp
-writer and its receiver, never take turns on one core, which on 2 cores otherwise moved the
-small sizes' medians by up to 2x from run to run.
+writer and its receiver, never take turns on one core (on 2 cores that made the small
+sizes' medians swing from run to run).
 The raw socket and the tcp transport's connection send with the same TCP congestion control,
 ``--tcp-congestion`` (default ``reno``; ``system``: the host's default, ``bbr`` here). With
 BBR both pace, and on loopback the transport's ~1 MiB sends then arrive out of order often

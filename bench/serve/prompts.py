@@ -38,7 +38,7 @@ class Prompt:
 def single_token_words(tokenizer: Tokenizer) -> tuple[int, ...]:
     """Ids of lower-case vocabulary words (with a leading space) that encode to themselves.
 
-    Cached per tokenizer (tokenizers are immutable): scanning a vocabulary takes ~0.4 s."""
+    Cached per tokenizer (tokenizers are immutable): scanning a vocabulary is slow."""
     pool = []
     for i in range(tokenizer.vocab_size):
         if tokenizer.is_special(i) or not _WORD.fullmatch(tokenizer.id_to_token(i)):
