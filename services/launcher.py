@@ -33,6 +33,7 @@ class Proc:
     address: str = ""
     ready_text: str = ""
     ready: threading.Event = field(default_factory=threading.Event)
+    ready_line: str | None = "READY "  # what marks it ready (None: ready once started)
     lines: list[str] = field(default_factory=list)
 
 
@@ -53,12 +54,29 @@ class Stack:
     def start(self, proc: Proc, *, ready_line: str | None = "READY ") -> Proc:
         """Start ``proc``; it is ready once a line containing ``ready_line`` appears (our
         services print ``READY <role> <address>``)."""
+        proc.ready_line = ready_line
+        self.procs.append(proc)
+        self._spawn(proc, "w")
+        return proc
 
+    def restart(self, proc: Proc) -> None:
+        """Start ``proc`` (which has exited) again with the same command line; its log
+        continues in the same file."""
+        assert proc.popen is not None and proc.popen.poll() is not None, f"{proc.name} runs"
+        proc.ready.clear()
+        proc.address = proc.ready_text = ""
+        proc.lines.clear()
+        self._spawn(proc, "a")
+
+    def named(self, name: str) -> Proc:
+        return next(p for p in self.procs if p.name == name)
+
+    def _spawn(self, proc: Proc, log_mode: str) -> None:
         def pin() -> None:
             if proc.cpus:
                 os.sched_setaffinity(0, proc.cpus)
 
-        log = open(self.log_dir / f"{proc.name}.log", "w")
+        log = open(self.log_dir / f"{proc.name}.log", log_mode)
         proc.popen = subprocess.Popen(
             proc.argv,
             stdout=subprocess.PIPE,
@@ -67,12 +85,12 @@ class Stack:
             preexec_fn=pin,
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
         )
-        self.procs.append(proc)
+        popen, ready_line = proc.popen, proc.ready_line
 
         def pump() -> None:
-            assert proc.popen is not None and proc.popen.stdout is not None
+            assert popen.stdout is not None
             with log:
-                for line in proc.popen.stdout:
+                for line in popen.stdout:
                     log.write(line)
                     log.flush()
                     proc.lines.append(line)
@@ -89,7 +107,6 @@ class Stack:
         threading.Thread(target=pump, name=f"log-{proc.name}", daemon=True).start()
         if ready_line is None:
             proc.ready.set()
-        return proc
 
     def wait_ready(self, procs: Sequence[Proc], timeout: float = READY_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout

@@ -13,6 +13,11 @@ with the control plane); the core is the engine thread's, and the worker's I/O t
 also use control cores no worker computes on (``worker_placement``). The control plane
 (redis, scheduler, gateway) runs on ``--control-cpus``: by default, with ``--pin`` on a
 machine of two or more cores, its first core.
+
+While it runs, a worker or the gateway that dies is restarted (``services.supervisor``:
+backoff, at most 5 restarts of one process a minute) and the rest keep serving; redis or
+the scheduler dying stops the stack. When it stops, KV segments of workers that could not
+remove their own are swept.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import signal
 import sys
 import threading
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +37,7 @@ from services.common.config import cpu_list, tcp_congestion
 from services.common.engine_args import EngineArgs
 from services.common.settings import setting
 from services.launcher import Proc, Stack, default_log_dir, free_port, py, redis_proc
+from services.supervisor import RestartPolicy, Supervisor
 
 TRANSPORTS = ("shm", "tcp")
 SMOKE_QUESTION = "What is the capital of France?"
@@ -200,8 +206,9 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
         for i in range(cfg.decode):
             transport = cfg.transport[i % len(cfg.transport)]
             workers.append(start_worker(f"decode-{i}", "services.decode", "--transport", transport))
-    gw = ["--host", cfg.host, "--http-port", str(cfg.http_port),
-          "--grpc-port", str(cfg.grpc_port),
+    # Concrete ports, so a restarted gateway listens where clients already connect.
+    gw = ["--host", cfg.host, "--http-port", str(cfg.http_port or free_port()),
+          "--grpc-port", str(cfg.grpc_port or free_port()),
           "--backend", "cluster", "--scheduler", sched.address, *engine]  # fmt: skip
     stack.wait_ready(workers)
     gateway = stack.start(Proc("gateway", py("services.gateway", *gw), control))
@@ -267,6 +274,17 @@ def smoke(base_url: str, question: str) -> str:
     return "".join(text)
 
 
+# Restarting these is not built yet: the scheduler would have to recover from Redis, and
+# Redis hold what it held. Their death stops the stack.
+NOT_RESTARTED = ("redis", "scheduler")
+
+
+def supervise(stack: Stack, say: Callable[[str], None]) -> Supervisor:
+    """The supervisor ``pdserve up`` runs: workers and the gateway are restarted."""
+    restartable = [p.name for p in stack.procs if p.name not in NOT_RESTARTED]
+    return Supervisor(stack, restartable, RestartPolicy(), say)
+
+
 def run_up(cfg: UpConfig) -> int:
     log_dir = Path(cfg.log_dir) if cfg.log_dir else default_log_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -287,10 +305,11 @@ def run_up(cfg: UpConfig) -> int:
             smoke(endpoints["http"], cfg.smoke)
             return 0
         print("Ctrl-C stops everything.", file=sys.stderr)
+        supervisor = supervise(stack, lambda line: print(f"pdserve up: {line}", file=sys.stderr))
         while not stop.wait(0.5):
-            dead = stack.dead()
-            if dead:
-                print(f"pdserve up: {dead[0].name} exited; stopping", file=sys.stderr)
+            reason = supervisor.tick()
+            if reason is not None:
+                print(f"pdserve up: {reason}", file=sys.stderr)
                 return 1
         return 0
     except KeyboardInterrupt:
@@ -300,3 +319,8 @@ def run_up(cfg: UpConfig) -> int:
         return 1
     finally:
         stack.stop()
+        # Segments of workers that could not unlink their own (killed, or past the grace).
+        from transfer.shm import sweep_stale_segments  # here: it imports torch
+
+        for path in sweep_stale_segments():
+            print(f"pdserve up: removed the stale KV segment {path}", file=sys.stderr)

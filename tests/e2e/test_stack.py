@@ -20,6 +20,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.launcher import Stack, free_port
+from services.supervisor import RestartPolicy, Supervisor
 from services.up import launch, load_up_config, pin_plan, worker_placement
 
 MAX_TOKENS = 16
@@ -279,4 +280,70 @@ async def test_killed_decode_worker_is_dropped_and_survivors_serve(stack, expect
     assert any(isinstance(r, openai.APIError) for r in done), done
     await asyncio.sleep(2.0 + 1.0)  # heartbeat TTL + slack: the scheduler drops the victim
     results = await asyncio.gather(*(_chat(client, model, q) for q in QUESTIONS))
+    assert [t for t, _ in results] == [expected[q] for q in QUESTIONS]
+
+
+def _live_segments() -> dict[str, bool]:
+    """Every KV segment in /dev/shm and whether its owner process still holds it."""
+    import fcntl
+
+    out: dict[str, bool] = {}
+    for name in os.listdir("/dev/shm"):
+        if not name.startswith("pdserve-kv-"):
+            continue
+        path = os.path.join("/dev/shm", name)
+        with open(path, "rb") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                out[path] = True
+            else:
+                out[path] = False
+    return out
+
+
+async def test_the_supervisor_restarts_dead_workers_and_the_stack_serves_on(
+    stack, expected
+) -> None:
+    """What ``pdserve up`` does while it runs: dead workers come back (the shm one clears its
+    predecessor's segment as it starts) and every request is served again."""
+    st, endpoints = stack
+    said: list[str] = []
+    workers = [p.name for p in st.procs if p.name.startswith(("prefill-", "decode-"))]
+    supervisor = Supervisor(st, workers, RestartPolicy(first_delay_s=0.2), said.append)
+
+    async def supervise_until_ready(name: str) -> None:
+        proc = st.named(name)
+        deadline = time.monotonic() + 120
+        while not (proc.popen is not None and proc.popen.poll() is None and proc.ready.is_set()):
+            assert supervisor.tick() is None
+            assert time.monotonic() < deadline, said
+            await asyncio.sleep(0.2)
+
+    # decode-1 was killed by the test before this one (if it ran alone: kill it now).
+    victim = st.named("decode-1")
+    if victim.popen is not None and victim.popen.poll() is None:
+        victim.popen.kill()
+        victim.popen.wait(10)
+    await supervise_until_ready("decode-1")
+    # Now the shm decode worker: SIGKILL leaves its segment behind.
+    before = _live_segments()
+    st.named("decode-0").popen.kill()  # type: ignore[union-attr]
+    st.named("decode-0").popen.wait(10)  # type: ignore[union-attr]
+    orphans = [p for p, alive in _live_segments().items() if not alive and before.get(p)]
+    assert len(orphans) == 1, (before, _live_segments())
+    await supervise_until_ready("decode-0")
+    assert not os.path.exists(orphans[0])
+    assert any(line.startswith("decode-0 restarted") for line in said), said
+    # Both restarted workers registered again (same worker ids): every answer is served.
+    client = _client(endpoints)
+    model = await _model(client)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            results = await asyncio.gather(*(_chat(client, model, q) for q in QUESTIONS))
+            break
+        except openai.APIError:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.5)
     assert [t for t, _ in results] == [expected[q] for q in QUESTIONS]

@@ -106,3 +106,15 @@ def test_smoke_takes_an_optional_question() -> None:
     assert load_up_config(["--smoke"], {}).smoke == "What is the capital of France?"
     assert load_up_config(["--smoke", "Why?"], {}).smoke == "Why?"
     assert UpConfig(colocated=True, prefill=0).colocated
+
+
+def test_pdserve_up_restarts_workers_and_the_gateway_but_not_redis_or_the_scheduler(
+    tmp_path,
+) -> None:
+    from services.launcher import Proc, Stack
+    from services.up import supervise
+
+    stack = Stack(log_dir=tmp_path)
+    for name in ("redis", "scheduler", "prefill-0", "decode-0", "decode-1", "gateway"):
+        stack.procs.append(Proc(name, ["true"]))  # listed, never started
+    assert supervise(stack, print).restartable == {"prefill-0", "decode-0", "decode-1", "gateway"}

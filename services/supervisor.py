@@ -1,0 +1,95 @@
+"""Keeps ``pdserve up``'s stack serving: a process that dies is restarted after a backoff,
+within a restart budget, while the rest keep serving.
+
+Lifecycle of a dead process (``Supervisor.tick``, called every half second): found dead ->
+restartable? (workers and the gateway hold nothing another process needs; redis and the
+scheduler are not restarted yet, so their death stops the stack) -> within its budget
+(``RestartPolicy.budget`` restarts in ``window_s``)? else the stack stops -> restart due
+after ``RestartPolicy.delay`` (doubling from ``first_delay_s`` up to ``max_delay_s``) ->
+restarted with the same command line. A restarted worker registers again under its worker
+id, which replaces its dead incarnation at the scheduler at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+from services.launcher import Proc, Stack
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How soon and how often one process may be restarted."""
+
+    first_delay_s: float = 0.5
+    max_delay_s: float = 10.0
+    budget: int = 5  # restarts of one process ...
+    window_s: float = 60.0  # ... within this many seconds
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.first_delay_s <= self.max_delay_s:
+            raise ValueError("need 0 <= first_delay_s <= max_delay_s")
+        if self.budget < 0 or self.window_s <= 0:
+            raise ValueError("need budget >= 0 and window_s > 0")
+
+    def delay(self, recent: int) -> float:
+        """Seconds to wait before the next restart, after ``recent`` restarts in the window."""
+        return min(self.max_delay_s, self.first_delay_s * 2**recent)
+
+    def recent(self, restarts: Sequence[float], now: float) -> int:
+        """How many of ``restarts`` (monotonic times) fall in the window before ``now``."""
+        return sum(1 for t in restarts if now - t < self.window_s)
+
+
+class Supervisor:
+    """Restarts a ``Stack``'s dead ``restartable`` processes under ``policy``.
+
+    ``tick`` returns None while the stack can go on, or why it must stop. ``say`` receives a
+    line for the operator about every death and restart.
+    """
+
+    def __init__(
+        self,
+        stack: Stack,
+        restartable: Collection[str],
+        policy: RestartPolicy,
+        say: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.stack = stack
+        self.restartable = set(restartable)
+        self.policy = policy
+        self.say = say
+        self.clock = clock
+        self.restarts: dict[str, list[float]] = {}
+        self._due: dict[str, float] = {}  # name -> when to restart it
+
+    def tick(self) -> str | None:
+        now = self.clock()
+        for proc in self.stack.dead():
+            if proc.name in self._due:
+                continue
+            code = proc.popen.returncode if proc.popen is not None else None
+            if proc.name not in self.restartable:
+                return f"{proc.name} exited ({code}); it is not restarted, so the stack stops"
+            recent = self.policy.recent(self.restarts.get(proc.name, []), now)
+            if recent >= self.policy.budget:
+                return (
+                    f"{proc.name} exited ({code}) after {recent} restarts within "
+                    f"{self.policy.window_s:.0f} s; stopping"
+                )
+            delay = self.policy.delay(recent)
+            self._due[proc.name] = now + delay
+            self.say(f"{proc.name} exited ({code}); restarting it in {delay:.1f} s")
+        for name, due in list(self._due.items()):
+            if now >= due:
+                del self._due[name]
+                self._restart(self.stack.named(name), now)
+        return None
+
+    def _restart(self, proc: Proc, now: float) -> None:
+        self.restarts.setdefault(proc.name, []).append(now)
+        self.stack.restart(proc)
+        self.say(f"{proc.name} restarted (pid {proc.popen.pid if proc.popen else '?'})")
