@@ -1,10 +1,10 @@
 """``python -m services.decode``: a decode worker (``--role colocated``: prefills too).
 
 Its KV pool is registered once with the chosen transport (``shm``: a POSIX shared-memory
-segment prefill workers on this host copy into; ``tcp``: a receiver other hosts write
-to). For each request it reserves blocks, has the prefill worker named in the request
-fill them, then streams tokens from its continuous batch. Its settings:
-``services.decode.config``.
+segment prefill workers on this host copy into, after removing segments whose owner died;
+``tcp``: a receiver other hosts write to). For each request it reserves blocks, has the
+prefill worker named in the request fill them, then streams tokens from its continuous
+batch. Its settings: ``services.decode.config``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,12 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import structlog
+
 from services.common import process
 from services.decode.config import DecodeConfig, load_config
+
+log = structlog.get_logger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -30,6 +34,7 @@ async def _main(cfg: DecodeConfig) -> None:
     from services.decode.server import DecodeServicer
     from transfer.handle import KVLayout
     from transfer.registry import get_transport
+    from transfer.shm import sweep_stale_segments
 
     region: KVRegion | None = None
     transport = None
@@ -43,6 +48,11 @@ async def _main(cfg: DecodeConfig) -> None:
                 "advertise_host": cfg.worker.advertise_host,
             }
         transport = get_transport(cfg.transport, **opts)
+        if cfg.transport == "shm":
+            # Segments whose owner died without removing them (SIGKILL, a crash): their
+            # memory stays allocated in tmpfs until someone unlinks them.
+            for path in sweep_stale_segments():
+                log.info("stale_kv_segment_removed", path=path)
 
         def kv_memory(spec: KVCacheSpec) -> torch.Tensor:
             nonlocal region

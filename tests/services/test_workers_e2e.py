@@ -216,6 +216,33 @@ async def test_a_short_prompt_is_answered_without_waiting_for_a_long_ones_prefil
     assert firsts["long"] - firsts["short"] > 1.0
 
 
+def test_a_decode_worker_removes_stale_kv_segments_at_start() -> None:
+    """A segment whose owner died (nobody holds its lock) goes; a live owner's stays."""
+    import uuid
+    from pathlib import Path
+
+    from transfer import KVLayout
+    from transfer.shm import ShmTransport
+
+    stale = Path("/dev/shm") / f"pdserve-kv-stale-{uuid.uuid4().hex}"
+    stale.write_bytes(b"\0" * 4096)
+    layout = KVLayout(
+        num_layers=2, num_blocks=4, block_size=4, num_kv_heads=1, head_dim=8, dtype="float32"
+    )
+    with ShmTransport() as transport:
+        live = transport.register(layout)
+        worker = start_service(
+            "services.decode", "--port", "0", "--kv-cache-mib", "16", "--transport", "shm"
+        )
+        try:
+            assert not stale.exists()
+            assert Path(live.handle.address).exists()
+            assert any("stale_kv_segment_removed" in line for line in worker.output)
+        finally:
+            worker.stop()
+            stale.unlink(missing_ok=True)
+
+
 async def test_bad_input_gets_invalid_argument(cluster, prompts) -> None:
     procs, _ = cluster
     dec = procs["shm"].address
