@@ -46,6 +46,7 @@ COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
 DOCKERFILE = COMPOSE_DIR / "Dockerfile"
 
 ALL_INTERFACES = ("0.0.0.0", "::", "[::]")
+RESTARTING = ("on-failure", "always", "unless-stopped")  # Docker's policies that restart
 # The worker entrypoint: appends the container's own hostname as the advertised address.
 ADVERTISE_ENTRYPOINT = [
     "/bin/sh",
@@ -207,6 +208,9 @@ def check_compose(compose: dict[str, Any]) -> list[str]:
             problems.append(f"{name}: PDSERVE_ environment {pdserve} hides flags from the command")
         if "container_name" in svc or "hostname" in svc:
             problems.append(f"{name}: a fixed container_name/hostname breaks replicas")
+    for name, svc in services.items():
+        if str(svc.get("restart", "no")).split(":")[0] not in RESTARTING:
+            problems.append(f"{name}: restart policy {svc.get('restart', 'no')!r} leaves it dead")
     if len(pdserve_images) != 1:
         problems.append(f"the pdserve services must share one image, got {pdserve_images}")
     if missing := sorted(set(PARSERS) - set(parsed)):
@@ -544,6 +548,8 @@ MUTATIONS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
         _put("gateway", "build", {"context": "..", "dockerfile": "Dockerfile"}), "gateway: must"),
     "missing service": (lambda c: c["services"].pop("prefill"), "no service runs"),
     "two redis": (lambda c: c["services"].update(cache={"image": "redis:7"}), "exactly one"),
+    "a worker left dead": (_put("decode", "restart", None), "decode: restart policy 'no'"),
+    "redis left dead": (_put("redis", "restart", "no"), "redis: restart policy 'no'"),
 }  # fmt: skip
 
 
