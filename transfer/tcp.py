@@ -120,8 +120,12 @@ class TcpWriter(OwnerThreadWriter):
             raise
         sock.setblocking(False)
         conn = _Connection(sock)
-        self._watch(sock, selectors.EVENT_READ, lambda events: self._on_ready(conn, events))
+        self._watch_conn(conn, selectors.EVENT_READ)
         return conn
+
+    def _watch_conn(self, conn: _Connection, events: int) -> None:
+        """Have the loop call ``_on_ready`` when ``conn``'s socket is ready for ``events``."""
+        self._watch(conn.sock, events, lambda ready: self._on_ready(conn, ready))
 
     def _connection(self, work: TcpWork) -> _Connection:
         if self._conn is None or self._conn.dead:
@@ -208,9 +212,9 @@ class TcpWriter(OwnerThreadWriter):
             conn.outbox.append(_Outgoing(None, [memoryview(abort)], 0))
         return half_sent
 
-    def _wait_timeout(self) -> float | None:
+    def _has_ready_bytes(self) -> bool:
         conn = self._conn
-        return 0.0 if conn is not None and conn.outbox and not conn.blocked else None
+        return conn is not None and bool(conn.outbox) and not conn.blocked
 
     def _release(self) -> None:
         if self._conn is not None:
@@ -226,8 +230,7 @@ class TcpWriter(OwnerThreadWriter):
                 sent = conn.sock.sendmsg(head.views[:IOV_MAX])
             except BlockingIOError:
                 conn.blocked = True
-                self._watch(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE,
-                            lambda events: self._on_ready(conn, events))  # fmt: skip
+                self._watch_conn(conn, selectors.EVENT_READ | selectors.EVENT_WRITE)
                 return
             except OSError as exc:
                 self._kill(conn, f"send failed: {exc}")
@@ -244,9 +247,7 @@ class TcpWriter(OwnerThreadWriter):
                     self._resolve(work)  # its half-sent frame is out: it stopped moving
         if conn.blocked and not conn.dead:  # drained: stop waiting for room
             conn.blocked = False
-            self._watch(
-                conn.sock, selectors.EVENT_READ, lambda events: self._on_ready(conn, events)
-            )
+            self._watch_conn(conn, selectors.EVENT_READ)
 
     def _on_ready(self, conn: _Connection, events: int) -> None:
         if events & selectors.EVENT_WRITE:

@@ -183,9 +183,9 @@ class OwnerThreadWriter(RegionWriter):
         the transport will call ``_resolve(work)`` when they stopped."""
         return False
 
-    def _wait_timeout(self) -> float | None:
-        """0 when the transport has bytes it can move now; else None (wait)."""
-        return None
+    def _has_ready_bytes(self) -> bool:
+        """Whether the transport could move bytes now, without waiting for anything."""
+        return False
 
     def _release(self) -> None:
         """The owner is exiting: release the mapping or socket."""
@@ -236,11 +236,13 @@ class OwnerThreadWriter(RegionWriter):
         return timeout
 
     def _next_wait(self) -> float | None:
-        timeout = self._wait_timeout()
-        if timeout == 0 or not self._works:
-            return timeout
-        soonest = min(w.job.deadline for w in self._works.values()) - time.monotonic()
-        return max(0.0, soonest) if timeout is None else min(timeout, max(0.0, soonest))
+        """0 with bytes to move now; else until the soonest deadline (None: none)."""
+        if self._has_ready_bytes():
+            return 0.0
+        if not self._works:
+            return None
+        soonest = min(w.job.deadline for w in self._works.values())
+        return max(0.0, soonest - time.monotonic())
 
     def _take_messages(self) -> None:
         while True:
@@ -321,7 +323,7 @@ class OwnerThreadWriter(RegionWriter):
                 self._fail(work, self._timeout(work))
 
     def _timeout(self, work: JobWork) -> TransferTimeout:
-        written = bin(work.written).count("1")
+        written = work.written.bit_count()
         return TransferTimeout(
             f"transfer of {work.job.request_id!r} to region {self.handle.region_id} missed its "
             f"deadline: {work.bytes_moved} of {written * work.job.plan.layer_bytes} bytes moved"
@@ -343,7 +345,7 @@ class OwnerThreadWriter(RegionWriter):
             TransferResult(
                 bytes=work.bytes_moved,
                 seconds=now - first,
-                layers=bin(work.written).count("1"),
+                layers=work.written.bit_count(),
                 wait_seconds=now - finish_at,
             )
         )
