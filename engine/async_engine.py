@@ -145,12 +145,17 @@ class AsyncEngine:
         return await asyncio.wrap_future(fut)
 
     async def generate(
-        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        resumed: Sequence[int] = (),
     ) -> AsyncIterator[RequestOutput]:
-        """Colocated: queue a request and stream its events; cancelling aborts it."""
+        """Colocated: queue a request and stream its events; cancelling aborts it.
+        ``resumed``: a migrated request's output tokens so far (events carry only new ones)."""
         q = self._open(request_id)
         try:
-            await self.call(lambda: self.engine.add_request(prompt, params, request_id))
+            await self.call(lambda: self.engine.add_request(prompt, params, request_id, resumed))
         except BaseException as e:
             self._forget(request_id, cancelled=isinstance(e, asyncio.CancelledError))
             raise
@@ -158,10 +163,20 @@ class AsyncEngine:
             yield ev
 
     async def reserve(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        resumed: Sequence[int] = (),
     ) -> list[int]:
-        """Decode role: allocate blocks for a prompt that a prefill worker will fill."""
-        return await self.call(lambda: self.engine.reserve(request_id, prompt_ids, params))
+        """Decode role: allocate blocks for a prompt (and a migrated request's resumed
+        output tokens) that a prefill worker will fill."""
+        return await self.call(lambda: self.engine.reserve(request_id, prompt_ids, params, resumed))
+
+    async def fence(self, request_id: str, tag: str) -> str:
+        """Decode role: set a reservation aside (blocks held, id free again); ``release`` the
+        returned key once its writer is known to have stopped."""
+        return await self.call(lambda: self.engine.fence(request_id, tag))
 
     async def join_prefilled(
         self, request_id: str, first_token: int, first_logprob: float
@@ -182,7 +197,11 @@ class AsyncEngine:
             yield ev
 
     async def plan_prefill(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        resumed: Sequence[int] = (),
     ) -> PrefillPlan:
         """Prefill role: validate a prompt and hold its blocks (a cached prefix reused).
 
@@ -190,7 +209,9 @@ class AsyncEngine:
         failure or a cancellation: the blocks stay held until then).
         """
         try:
-            return await self.call(lambda: self.engine.plan_prefill(request_id, prompt_ids, params))
+            return await self.call(
+                lambda: self.engine.plan_prefill(request_id, prompt_ids, params, resumed)
+            )
         except asyncio.CancelledError:
             # The engine thread may have planned it anyway: nobody would release it.
             self._commands.put((lambda: self.engine.release(request_id), Future()))
@@ -349,7 +370,7 @@ class AsyncEngine:
         tokens = 0
         while self._prefills:
             job = self._prefills[0]
-            n = job.plan.num_prompt_tokens - job.plan.num_cached_tokens
+            n = job.plan.num_tokens - job.plan.num_cached_tokens
             if batch and tokens + n > self.prefill_token_budget:
                 break
             batch.append(self._prefills.pop(0))
@@ -392,6 +413,6 @@ class AsyncEngine:
             total_blocks=eng.blocks.num_blocks,
             num_preemptions=eng.num_preemptions,
             queued_prefill_tokens=sum(
-                j.plan.num_prompt_tokens - j.plan.num_cached_tokens for j in self._prefills
+                j.plan.num_tokens - j.plan.num_cached_tokens for j in self._prefills
             ),
         )

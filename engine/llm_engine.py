@@ -71,7 +71,7 @@ class PrefillPlan:
 
     request_id: str
     block_ids: tuple[int, ...]  # every block of the prompt, cached prefix first
-    num_prompt_tokens: int
+    num_tokens: int  # the prompt, plus a migrated request's resumed output tokens
     num_cached_tokens: int  # served from this worker's prefix cache
 
 
@@ -183,10 +183,20 @@ class LLMEngine:
         params: SamplingParams,
         *,
         generates_here: bool,
+        resumed: Seq[int] = (),
     ) -> list[int]:
         """Every request's checks; ``generates_here``: the output's KV must fit this pool too
-        (not so for a prefill-only pass). Returns the prompt ids."""
+        (not so for a prefill-only pass); ``resumed``: output tokens a migrated request
+        already produced elsewhere. Returns the prompt ids."""
         ids = self.encode_prompt(prompt)
+        if resumed:
+            if len(resumed) >= params.max_tokens:
+                raise InvalidRequestError(
+                    f"resume_token_ids has {len(resumed)} tokens; max_tokens is "
+                    f"{params.max_tokens}: there is nothing to resume"
+                )
+            self.encode_prompt(list(resumed))  # the same id checks as a prompt's
+            self.outputs.check_resumable(params, resumed)
         params.check_against(
             prompt_len=len(ids),
             max_model_len=self.max_model_len,
@@ -208,15 +218,33 @@ class LLMEngine:
         prompt: str | Seq[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        resumed: Seq[int] = (),
     ) -> str:
-        """Validate and queue a request; returns its id. Raises InvalidRequestError."""
+        """Validate and queue a request; returns its id. Raises InvalidRequestError.
+
+        ``resumed``: a migrated request's output tokens so far; prompt + those are computed
+        and generation continues after them (see ``_sequence``)."""
         params = params or SamplingParams()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        ids = self._validate(rid, prompt, params, generates_here=True)
-        seq = Sequence(rid, ids, params, time.monotonic(), generator=_generator(params))
+        ids = self._validate(rid, prompt, params, generates_here=True, resumed=resumed)
+        seq = self._sequence(rid, ids, params, resumed)
         self.scheduler.add(seq)
-        self.outputs.add(rid, params)
+        self.outputs.add(rid, params, resumed)
         return rid
+
+    def _sequence(
+        self, request_id: str, ids: list[int], params: SamplingParams, resumed: Seq[int]
+    ) -> Sequence:
+        """A fresh sequence. A resumed one starts with its output tokens already in place
+        (context to compute, counted against max_tokens) and its seeded random stream
+        advanced past them, so it samples what an uninterrupted run would have."""
+        seq = Sequence(request_id, ids, params, time.monotonic(), generator=_generator(params))
+        if resumed:
+            seq.output_ids = list(resumed)
+            seq.output_logprobs = [float("nan")] * len(resumed)  # not known here, not re-sent
+            if seq.generator is not None and not params.greedy:
+                skip_draws(seq.generator, self.model_config.vocab_size, len(resumed))
+        return seq
 
     # -- disaggregated roles -----------------------------------------------------------
     # A prefill worker calls plan_prefill -> run_prefill -> (send KV) -> release.
@@ -224,17 +252,25 @@ class LLMEngine:
     # or cancel_reservation if the prefill failed. Both run on the engine's one thread.
 
     def plan_prefill(
-        self, request_id: str, prompt_ids: Seq[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        resumed: Seq[int] = (),
     ) -> PrefillPlan:
         """Validate a prompt and allocate its blocks (reusing cached prefix blocks).
 
-        Raises InvalidRequestError, CapacityError, or ResourceExhaustedError when the pool
-        is full right now. The blocks stay held until ``release``.
+        ``resumed``: a migrated request's output tokens so far, computed after the prompt;
+        the sampled token is then the next output token. Raises InvalidRequestError,
+        CapacityError, or ResourceExhaustedError when the pool is full right now. The blocks
+        stay held until ``release``.
         """
-        ids = self._validate(request_id, list(prompt_ids), params, generates_here=False)
-        seq = Sequence(request_id, ids, params, time.monotonic(), generator=_generator(params))
+        ids = self._validate(
+            request_id, list(prompt_ids), params, generates_here=False, resumed=resumed
+        )
+        seq = self._sequence(request_id, ids, params, resumed)
         hit = self.scheduler.match_prefix(seq)
-        need = self.blocks.blocks_needed(len(ids)) - len(seq.block_table)
+        need = self.blocks.blocks_needed(seq.num_tokens) - len(seq.block_table)
         if need > self.blocks.num_blocks:
             self.scheduler.undo_hit(seq, hit)
             raise CapacityError(
@@ -246,7 +282,9 @@ class LLMEngine:
             self.scheduler.undo_hit(seq, hit)
             raise
         self._held[request_id] = seq
-        return PrefillPlan(request_id, tuple(seq.block_table), len(ids), seq.num_cached_tokens)
+        return PrefillPlan(
+            request_id, tuple(seq.block_table), seq.num_tokens, seq.num_cached_tokens
+        )
 
     def run_prefill(
         self, plans: Seq[PrefillPlan], on_layer_kv: Callable[[int], None] | None = None
@@ -283,17 +321,34 @@ class LLMEngine:
         self.scheduler.release(seq)
         return True
 
-    def reserve(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams) -> list[int]:
-        """Validate and allocate blocks for a prompt another worker will prefill."""
-        ids = self._validate(request_id, list(prompt_ids), params, generates_here=True)
+    def reserve(
+        self,
+        request_id: str,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        resumed: Seq[int] = (),
+    ) -> list[int]:
+        """Validate and allocate blocks for a prompt (plus a migrated request's ``resumed``
+        output tokens) another worker will prefill."""
+        ids = self._validate(
+            request_id, list(prompt_ids), params, generates_here=True, resumed=resumed
+        )
         if len(self.scheduler.running) + len(self._held) >= self.config.max_num_seqs:
             raise ResourceExhaustedError(
                 f"decode batch is full ({self.config.max_num_seqs} sequences)"
             )
-        seq = Sequence(request_id, ids, params, time.monotonic(), generator=_generator(params))
-        seq.block_table = self.blocks.allocate(self.blocks.blocks_needed(len(ids)))
+        seq = self._sequence(request_id, ids, params, resumed)
+        seq.block_table = self.blocks.allocate(self.blocks.blocks_needed(seq.num_tokens))
         self._held[request_id] = seq
         return list(seq.block_table)
+
+    def fence(self, request_id: str, tag: str) -> str:
+        """Set a reservation aside under a new key, its blocks still held, so the request id
+        is free for another attempt while a writer may still be filling those blocks.
+        Returns the key to ``release`` once the writer is known to have stopped."""
+        key = f"{request_id}/{tag}"
+        self._held[key] = self._held.pop(request_id)
+        return key
 
     def cancel_reservation(self, request_id: str) -> bool:
         return self.release(request_id)
@@ -305,10 +360,10 @@ class LLMEngine:
         seq = self._held.pop(request_id)
         if seq.generator is not None and not seq.params.greedy:
             skip_draws(seq.generator, self.model_config.vocab_size)  # token 0 came from prefill
-        seq.num_computed = len(seq.prompt_ids)
+        seq.num_computed = seq.num_tokens
         self.scheduler.add_running(seq)
         self.scheduler.advance(ScheduledSeq(seq, 0))  # publish the prompt's full blocks
-        self.outputs.add(request_id, seq.params)
+        self.outputs.add(request_id, seq.params, seq.output_ids)
         return self._emit(seq, first_token, first_logprob)
 
     def abort_request(self, request_id: str) -> bool:

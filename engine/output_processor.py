@@ -7,9 +7,11 @@ when it returns a finish reason.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason
 from engine.stop_checker import StopChecker
@@ -46,10 +48,29 @@ class OutputProcessor:
         self.eos = eos_token_ids
         self._streams: dict[str, _Stream] = {}
 
-    def add(self, request_id: str, params: SamplingParams) -> None:
+    def add(self, request_id: str, params: SamplingParams, resumed: Seq[int] = ()) -> None:
+        """Open a request's stream. ``resumed``: output tokens a previous worker already
+        produced and the client received (a migrated request); they are replayed here, their
+        text discarded, so the detokenizer, the stop-string checker and the max_tokens count
+        stand exactly where the previous worker's did."""
+        self._streams[request_id] = self._replayed(params, resumed)
+
+    def check_resumable(self, params: SamplingParams, resumed: Seq[int]) -> None:
+        """Raise ``InvalidRequestError`` if ``resumed`` tokens had already ended the request."""
+        self._replayed(params, resumed)
+
+    def _replayed(self, params: SamplingParams, resumed: Seq[int]) -> _Stream:
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         stop = StopChecker(params.stop) if params.stop else None
-        self._streams[request_id] = _Stream(params, detok, stop)
+        s = _Stream(params, detok, stop)
+        for i, token_id in enumerate(resumed):
+            _, reason = self._account(s, token_id, room_left=1)
+            if reason is not None:
+                raise InvalidRequestError(
+                    f"resume_token_ids[{i}] already ended the request ({reason.value}): "
+                    "there is nothing to resume"
+                )
+        return s
 
     def remove(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -61,7 +82,11 @@ class OutputProcessor:
 
         ``room_left`` is how many more tokens fit in the context after this one.
         """
-        s = self._streams[request_id]
+        return self._account(self._streams[request_id], token_id, room_left)
+
+    def _account(
+        self, s: _Stream, token_id: int, room_left: int
+    ) -> tuple[str, FinishReason | None]:
         s.num_output += 1
         p = s.params
         is_eos = token_id in self.eos and not p.ignore_eos
