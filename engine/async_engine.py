@@ -138,11 +138,15 @@ class AsyncEngine:
         return len(self._streams) + len(self._prefills)
 
     # -- calls (coroutines) -------------------------------------------------------------
-    async def call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the engine thread between steps and return its result."""
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Queue ``fn`` for the engine thread now (commands run in order); its result later."""
         fut: Future[Any] = Future()
         self._commands.put((fn, fut))
-        return await asyncio.wrap_future(fut)
+        return fut
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine thread between steps and return its result."""
+        return await asyncio.wrap_future(self.submit(fn))
 
     async def generate(
         self,
@@ -171,12 +175,20 @@ class AsyncEngine:
     ) -> list[int]:
         """Decode role: allocate blocks for a prompt (and a migrated request's resumed
         output tokens) that a prefill worker will fill."""
-        return await self.call(lambda: self.engine.reserve(request_id, prompt_ids, params, resumed))
+        try:
+            return await self.call(
+                lambda: self.engine.reserve(request_id, prompt_ids, params, resumed)
+            )
+        except asyncio.CancelledError:
+            # The engine thread may have reserved anyway: nobody would release it.
+            self.submit(lambda: self.engine.release(request_id))
+            raise
 
-    async def fence(self, request_id: str, tag: str) -> str:
-        """Decode role: set a reservation aside (blocks held, id free again); ``release`` the
-        returned key once its writer is known to have stopped."""
-        return await self.call(lambda: self.engine.fence(request_id, tag))
+    def fence(self, request_id: str, tag: str) -> Future[str]:
+        """Decode role: set a reservation aside (blocks held, id free again), queued at once,
+        ahead of any later command; ``release`` the key it resolves to once the blocks'
+        writer is known to have stopped."""
+        return self.submit(lambda: self.engine.fence(request_id, tag))
 
     async def join_prefilled(
         self, request_id: str, first_token: int, first_logprob: float
@@ -214,7 +226,7 @@ class AsyncEngine:
             )
         except asyncio.CancelledError:
             # The engine thread may have planned it anyway: nobody would release it.
-            self._commands.put((lambda: self.engine.release(request_id), Future()))
+            self.submit(lambda: self.engine.release(request_id))
             raise
 
     async def run_prefill(

@@ -18,20 +18,22 @@ class KVDestination(_message.Message):
     def __init__(self, region: _Optional[_Union[_common_pb2.MemoryRegionHandle, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_present_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "deadline_ms", "decode_worker_id", "kv_destination")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "deadline_ms", "decode_worker_id", "kv_destination", "resume_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     deadline_ms: int
     decode_worker_id: str
     kv_destination: KVDestination
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., kv_destination: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
+    resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., kv_destination: _Optional[_Union[KVDestination, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_token_logprob", "num_cached_tokens", "num_computed_tokens", "kv_transfer_bytes", "queue_seconds", "compute_seconds", "transfer_seconds", "transfer_tail_seconds")

@@ -54,10 +54,13 @@ class PrefillWorkerServicer:
 
         Contract: OK means the KV of every prompt token is in the destination blocks and
         visible to the reader (every write completed). Any error means the destination blocks'
-        contents are undefined. The writer stops writing into the destination deadline_ms after
-        it received the request (bytes already in a socket buffer may still land), so after an
-        error or a cancellation the reader may reuse the blocks once deadline_ms plus its lease
-        grace has passed since it sent the request (the KV lease).
+        contents are undefined. KV fencing: an error reply carrying the trailing metadata
+        "pdserve-kv-fenced: 1" is sent only once this worker's writer has stopped touching the
+        destination (it never began, or its abort was acknowledged), so the reader may reuse the
+        blocks at once. Otherwise (no such metadata, a lost connection, a cancelled call) the
+        writer stops writing deadline_ms after it received the request, and the reader reuses
+        the blocks only once deadline_ms plus its lease grace has passed since it sent the
+        request (the KV lease).
 
         Errors:
         INVALID_ARGUMENT     empty prompt, token id >= vocab size, a bad sampling parameter,
@@ -162,8 +165,8 @@ class DecodeWorkerServicer:
         RESOURCE_EXHAUSTED   no room in the KV pool or the running batch now.
         UNAVAILABLE          draining.
         (the remote prefill's status) the Prefill call failed: its code and message.
-        Reserved, not implemented yet: a fallback to local prefill after a failed remote one,
-        and trailing metadata "pdserve-failed-worker-id" naming the worker at fault.
+        When the Prefill call failed, the trailing metadata "pdserve-failed-worker-id" names
+        the prefill worker (the caller may place the request again without it).
         After the first event a failure ends the stream with an error status (events with
         FINISH_REASON_ERROR and error_message are reserved).
         """

@@ -41,6 +41,12 @@ TRANSFER_SECONDS = Histogram(
     "pdserve:kv_transfer_seconds", "Per-request KV transfer time (first write to confirmed).",
     ["role", "transport"], buckets=_LATENCY_BUCKETS,
 )  # fmt: skip
+KV_FENCES = Counter(
+    "pdserve:kv_fences_total",
+    "Reserved KV blocks set aside after a prefill that did not deliver, by how they were "
+    "freed: confirmed (the writer said it stopped) or lease (its deadline plus grace passed).",
+    ["role", "how"],
+)
 ENGINE_STEP_SECONDS = Histogram(
     "pdserve:engine_step_seconds",
     "Duration of one unit of engine work: a continuous-batching step (kind=step) or a batch "

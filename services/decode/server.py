@@ -6,14 +6,23 @@ Request lifecycle (each stage a queue):
      those blocks -> joined to the running batch with its first token -> tokens streamed
      until a stop condition -> blocks freed (finish, error or cancel).
 Without a prefill address (colocated mode, or a short prompt under the local threshold)
-the prompt is prefilled here by the same engine.
+the prompt is prefilled here by the same engine. A migrated request (``resume_token_ids``)
+has prompt + those tokens prefilled the same way and continues after them.
+
+KV fencing, the reader's half: reserved blocks whose prefill did not deliver are set aside
+(``AsyncEngine.fence``: the request id is free for another attempt) and reused only once
+their writer is known to have stopped: an error reply marked ``pdserve-kv-fenced``, a late
+reply of the call that a departed client left running, or else the KV lease (the prefill
+deadline plus ``LEASE_GRACE_S`` after the request was sent).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import structlog
@@ -31,18 +40,26 @@ from transfer.handle import MemoryRegionHandle
 log = structlog.get_logger(__name__)
 
 PREFILL_DEADLINE_S = 30.0
-# After a failed or cancelled prefill, bytes of that job may still land for a moment: the
-# reserved blocks are held this long past the writer's deadline before reuse (KV lease).
-LEASE_GRACE_S = 1.0
+# The writer stops at the deadline it counts from its receipt of the request; the lease ends
+# this long after the deadline counted from the send: the delay to receipt, and bytes already
+# in a socket buffer, land well within it.
+LEASE_GRACE_S = 2.0
+FAILED_WORKER_KEY = "pdserve-failed-worker-id"
 
 
 class UpstreamError(Exception):
-    """A call this worker made failed; the client gets that call's status."""
+    """A call this worker made failed; the client gets that call's status, and the trailing
+    metadata names the worker at fault."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, failed_worker_id: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.failed_worker_id = failed_worker_id
+
+
+def _fenced(e: grpc.aio.AioRpcError) -> bool:
+    return ("pdserve-kv-fenced", "1") in tuple(e.trailing_metadata() or ())
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -61,6 +78,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.prefill_deadline_s = prefill_deadline_s
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._fences: set[asyncio.Task[None]] = set()
+        self._attempts = itertools.count()
         self.inflight = 0
         self.kv_bytes_received = 0
         if region is not None:  # export the series at 0 before the first transfer
@@ -108,16 +127,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
+        resumed = list(request.resume_token_ids)
 
         remote = bool(request.prefill_address) and self.region is not None
-        if remote and len(ids) <= self.local_prefill_max_tokens:
+        if remote and len(ids) + len(resumed) <= self.local_prefill_max_tokens:
             remote = False  # conditional disaggregation: a short prompt is cheaper here
         kv_bytes = 0
         try:
             if remote:
-                stream, kv_bytes = await self._remote_prefill(request, ids, params)
+                stream, kv_bytes = await self._remote_prefill(request, ids, resumed, params)
             else:
-                stream = self.aengine.generate(rid, ids, params)
+                stream = self.aengine.generate(rid, ids, params, resumed)
             first = True
             last = arrival
             async for out in stream:
@@ -136,6 +156,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise  # client went away: AsyncEngine aborts the request and frees its blocks
         except UpstreamError as e:
             metrics.ERRORS.labels(self.role, e.code.name).inc()
+            if e.failed_worker_id:
+                context.set_trailing_metadata(((FAILED_WORKER_KEY, e.failed_worker_id),))
             await context.abort(e.code, e.message)
         except Exception as e:
             metrics.ERRORS.labels(self.role, status_for(e).name).inc()
@@ -147,27 +169,43 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self,
         request: worker_pb2.DecodeGenerateRequest,
         ids: list[int],
+        resumed: list[int],
         params: SamplingParams,
     ) -> tuple[AsyncIterator[RequestOutput], int]:
         assert self.region is not None
         rid = request.request_id
-        blocks = await self.aengine.reserve(rid, ids, params)
+        blocks = await self.aengine.reserve(rid, ids, params, resumed)
         stub = self._prefill_stub(request.prefill_address)
         preq = worker_pb2.PrefillRequest(
             request_id=rid,
             prompt_token_ids=ids,
+            resume_token_ids=resumed,
             sampling=request.sampling,
             deadline_ms=int(self.prefill_deadline_s * 1000),
             kv_destination=worker_pb2.KVDestination(
                 region=handle_to_proto(self.region), block_ids=blocks
             ),
         )
+        lease_end = time.monotonic() + self.prefill_deadline_s + LEASE_GRACE_S
+        call = asyncio.ensure_future(stub.Prefill(preq, timeout=self.prefill_deadline_s))
         try:
-            reply = await stub.Prefill(preq, timeout=self.prefill_deadline_s)
-        except BaseException as e:
-            self._release_later(rid)
-            if isinstance(e, grpc.aio.AioRpcError):
-                raise UpstreamError(e.code(), f"prefill failed: {e.details()}") from e
+            # Shielded: a departed client does not cancel the prefill, whose reply is what
+            # tells when the blocks it writes are free again.
+            reply = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            self._fence(rid, call, lease_end)
+            raise
+        except grpc.aio.AioRpcError as e:
+            if _fenced(e):
+                await self.aengine.release(rid)
+                metrics.KV_FENCES.labels(self.role, "confirmed").inc()
+            else:
+                self._fence(rid, call, lease_end)
+            raise UpstreamError(
+                e.code(), f"prefill failed: {e.details()}", request.prefill_worker_id
+            ) from e
+        except BaseException:
+            self._fence(rid, call, lease_end)
             raise
         self.kv_bytes_received += reply.kv_transfer_bytes
         metrics.TRANSFER_BYTES.labels(self.role, self.region.transport).inc(reply.kv_transfer_bytes)
@@ -175,12 +213,31 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             rid, reply.first_token_id, reply.first_token_logprob
         ), reply.kv_transfer_bytes
 
-    def _release_later(self, rid: str) -> None:
-        async def release() -> None:
-            await asyncio.sleep(LEASE_GRACE_S)
-            await self.aengine.release(rid)
+    def _fence(self, rid: str, call: asyncio.Future[Any], lease_end: float) -> None:
+        """Set the reservation aside now (the id is free for another attempt) and release
+        its blocks once the prefill call says its writer stopped, or at ``lease_end``."""
+        fenced = self.aengine.fence(rid, f"fenced-{next(self._attempts)}")
 
-        asyncio.get_running_loop().create_task(release())
+        async def release() -> None:
+            key = await asyncio.wrap_future(fenced)
+            how = "lease"
+            try:
+                await asyncio.wait_for(asyncio.shield(call), max(0.0, lease_end - time.monotonic()))
+                how = "confirmed"  # it delivered after all, into blocks nobody reads
+            except grpc.aio.AioRpcError as e:
+                if _fenced(e):
+                    how = "confirmed"
+            except (TimeoutError, asyncio.CancelledError):
+                pass
+            if how == "lease":
+                await asyncio.sleep(max(0.0, lease_end - time.monotonic()))
+            await self.aengine.release(key)
+            metrics.KV_FENCES.labels(self.role, how).inc()
+            log.info("kv_fence_released", request_id=rid, how=how)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._fences.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._fences.discard)
 
     def _event(self, out: RequestOutput, kv_bytes: int, prefill_id: str) -> worker_pb2.DecodeEvent:
         ev = worker_pb2.DecodeEvent(

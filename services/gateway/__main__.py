@@ -70,7 +70,9 @@ def _build_cluster(cfg: GatewayConfig) -> tuple[ClusterBackend, ServedModel]:
         context = int(json.loads((path / "config.json").read_text())["max_position_embeddings"])
     checkpoint_name = _default_model_name(model)
     assert cfg.scheduler is not None
-    backend = ClusterBackend(cfg.scheduler, worker_model=checkpoint_name)
+    backend = ClusterBackend(
+        cfg.scheduler, worker_model=checkpoint_name, max_migrations=cfg.max_migrations
+    )
     name = cfg.served_model_name or checkpoint_name
     max_len = min(cfg.engine.max_model_len or context, context)
     return backend, ServedModel(name, tokenizer, max_len, tokenizer.vocab_size)
@@ -86,6 +88,7 @@ async def _refresh_health(service: GatewayService, server: process.GrpcServer) -
 
 async def serve(cfg: GatewayConfig) -> None:
     """Run until SIGTERM/SIGINT, then drain."""
+    from services.gateway.cluster_backend import ClusterBackend
     from services.gateway.grpc_server import grpc_server
     from services.gateway.http_server import HttpServer, create_app
     from services.gateway.openai_api import Limits
@@ -100,6 +103,8 @@ async def serve(cfg: GatewayConfig) -> None:
         limits=Limits(cfg.default_max_tokens, cfg.default_chat_max_tokens),
         api_keys=cfg.api_keys,
     )
+    if isinstance(backend, ClusterBackend):
+        backend.on_migration = service.metrics.count_migration
     app = create_app(service, max_body_bytes=cfg.max_body_bytes)
     http = HttpServer(app, cfg.host, cfg.http_port, cfg.drain_timeout_s)
     server = grpc_server(service, cfg.host, cfg.grpc_port, max_message_bytes=cfg.max_body_bytes)

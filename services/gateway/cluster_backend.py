@@ -5,13 +5,20 @@ Lifecycle: ``Place`` (scheduler: admission, prefill and decode worker choice, pr
 reserves KV, has the prefill worker fill it, then streams tokens) -> chunks to the client
 -> ``ReportOutcome`` to the scheduler (fire-and-forget: the scheduler is off the token path).
 Closing the iterator cancels the decode call, which frees the KV on both workers.
+
+Migration: when a decode stream breaks (the worker died or went away: UNAVAILABLE and
+kin) or its prefill failed (the decode worker names the prefill worker in the trailing
+metadata), the request is placed again without the worker at fault and the new decode
+worker is sent ``resume_token_ids`` = the tokens the client already has; it continues after
+them, so the client sees one stream, no token twice or missing. At most ``max_migrations``
+times a request; then the stream ends with the last error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import structlog
@@ -27,6 +34,38 @@ log = structlog.get_logger(__name__)
 
 PLACE_TIMEOUT_S = 5.0
 HASH_BLOCK_SIZE = 16
+FAILED_WORKER_KEY = "pdserve-failed-worker-id"  # set by a decode worker whose prefill failed
+# A broken stream's status: the worker is gone or failing, not the request at fault.
+_BROKEN = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.CANCELLED,  # cancelled by the server side (we cancel only on close)
+    }
+)
+# A prefill's failure that another prefill worker may not repeat.
+_REFUSED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE})
+
+
+class _Broken(Exception):
+    """One attempt failed in a way another placement may not: move the request."""
+
+    def __init__(self, cause: str, worker_id: str, error: grpc.aio.AioRpcError) -> None:
+        super().__init__(f"{cause} on {worker_id}: {error.code().name}")
+        self.cause = cause  # "decode_lost" | "prefill_failed"
+        self.worker_id = worker_id
+        self.error = error
+
+
+def _broken(e: grpc.aio.AioRpcError, decode_worker_id: str) -> _Broken | None:
+    failed = dict(e.trailing_metadata() or ()).get(FAILED_WORKER_KEY)
+    if failed and e.code() not in _REFUSED:
+        return _Broken("prefill_failed", str(failed), e)
+    if e.code() in _BROKEN:
+        return _Broken("decode_lost", decode_worker_id, e)
+    return None
 
 
 def _error_for(e: grpc.aio.AioRpcError, what: str) -> Exception:
@@ -45,12 +84,17 @@ class ClusterBackend:
         *,
         worker_model: str = "",
         generate_timeout_s: float = 600.0,
+        max_migrations: int = 3,
     ) -> None:
         """``worker_model``: the model name workers register with (the scheduler matches
-        requests to workers by it; the name clients use may be an alias)."""
+        requests to workers by it; the name clients use may be an alias).
+        ``max_migrations``: how many times one request may be placed again."""
         self.scheduler_address = scheduler_address
         self.worker_model = worker_model
         self.generate_timeout_s = generate_timeout_s
+        self.max_migrations = max_migrations
+        # Called with the cause of every migration (the gateway's metrics count them).
+        self.on_migration: Callable[[str], None] = lambda cause: None
         self._sched_channel: grpc.aio.Channel | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -84,12 +128,16 @@ class ClusterBackend:
             self._channels[address] = ch
         return worker_pb2_grpc.DecodeWorkerStub(ch)
 
-    async def _place(self, req: GenerateInput) -> scheduler_pb2.Placement:
+    async def _place(
+        self, req: GenerateInput, attempt: int, exclude: list[str]
+    ) -> scheduler_pb2.Placement:
         ids = list(req.prompt_token_ids)
         try:
             return await self._sched.Place(
                 scheduler_pb2.PlaceRequest(
                     request_id=req.request_id,
+                    attempt=attempt,
+                    exclude_worker_ids=exclude,
                     model=self.worker_model,
                     prompt_tokens=len(ids),
                     max_tokens=req.params.max_tokens,
@@ -103,7 +151,43 @@ class ClusterBackend:
 
     async def generate(self, req: GenerateInput) -> AsyncIterator[GenerateChunk]:
         arrival_ns = time.time_ns()
-        placement = await self._place(req)
+        received: list[int] = []  # token ids the client has, over every attempt
+        exclude: list[str] = []
+        for attempt in range(self.max_migrations + 1):
+            placement = await self._place(req, attempt, exclude)
+            try:
+                async for chunk in self._attempt(req, placement, attempt, received, arrival_ns):
+                    received.extend(chunk.token_ids)
+                    yield chunk
+                return
+            except _Broken as b:
+                last = b
+                exclude.append(b.worker_id)
+                if attempt < self.max_migrations:
+                    self.on_migration(b.cause)
+                    log.warning(
+                        "request_migrating",
+                        request_id=req.request_id,
+                        cause=b.cause,
+                        failed_worker_id=b.worker_id,
+                        code=b.error.code().name,
+                        tokens_received=len(received),
+                        attempt=attempt + 1,
+                    )
+        raise BackendUnavailableError(
+            f"gave up after {self.max_migrations} migrations; last: {last.cause} on worker "
+            f"{last.worker_id}: {last.error.code().name}: {last.error.details()}"
+        ) from last.error
+
+    async def _attempt(
+        self,
+        req: GenerateInput,
+        placement: scheduler_pb2.Placement,
+        attempt: int,
+        received: list[int],
+        arrival_ns: int,
+    ) -> AsyncIterator[GenerateChunk]:
+        """One placement's decode stream; raises ``_Broken`` when another may carry on."""
         decode = placement.decode
         prefill_addr = placement.prefill.grpc_address if placement.HasField("prefill") else ""
         call = self._decode_stub(decode.grpc_address).Generate(
@@ -113,16 +197,18 @@ class ClusterBackend:
                 sampling=sampling_to_proto(req.params),
                 prefill_address=prefill_addr,
                 prefill_worker_id=placement.prefill.worker_id if prefill_addr else "",
+                resume_token_ids=received,
             ),
             timeout=self.generate_timeout_s,
         )
         outcome = scheduler_pb2.Outcome(
             request_id=req.request_id,
+            attempt=attempt,
             decode_worker_id=decode.worker_id,
             prefill_worker_id=placement.prefill.worker_id if prefill_addr else "",
             arrival_unix_ns=arrival_ns,
         )
-        completion = 0
+        completion = len(received)
         finished = False
         try:
             async for ev in call:
@@ -149,6 +235,9 @@ class ClusterBackend:
             outcome.finish_reason = common_pb2.FINISH_REASON_ERROR
             outcome.error_code = e.code().value[0]
             outcome.error_message = e.details() or ""
+            broken = _broken(e, decode.worker_id)
+            if broken is not None:
+                raise broken from e
             raise _error_for(e, f"decode worker {decode.worker_id}") from e
         finally:
             if not finished:

@@ -46,6 +46,11 @@ class GatewayConfig:
         256, "requests in flight before new ones get 429 / RESOURCE_EXHAUSTED"
     )
     drain_timeout_s: float = setting(30.0, "on SIGTERM, how long in-flight streams may finish")
+    max_migrations: int = setting(
+        3,
+        "cluster: times one request is placed again after its decode stream broke or its "
+        "prefill failed (the new decode worker resumes after the tokens already sent; 0: never)",
+    )
     log_level: str = setting("info", "log level", parse=log_level, choices=LOG_LEVELS)
     # The local backend's engine; the cluster backend reads only model and max_model_len.
     engine: EngineArgs = field(default_factory=EngineArgs)
@@ -67,6 +72,8 @@ class GatewayConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations={self.max_migrations} must be >= 0")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s} must be >= 0")
         if self.served_model_name is not None and not self.served_model_name.strip():

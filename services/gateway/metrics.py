@@ -11,6 +11,7 @@ registry so several gateways (tests) can live in one interpreter.
 - ``pdserve:inter_token_latency_seconds``: gap between consecutive tokens of one request.
 - ``pdserve:e2e_request_latency_seconds``: request received -> last chunk.
 - ``pdserve:num_requests_running``: generations streaming now.
+- ``pdserve:migrations_total{cause}``: requests placed again after a broken stream (cluster).
 """
 
 from __future__ import annotations
@@ -84,6 +85,19 @@ class GatewayMetrics:
         self.running = Gauge(
             "pdserve:num_requests_running", "Generations streaming now.", ["model_name"], registry=r
         )
+
+        self.migrations = Counter(
+            "pdserve:migrations",
+            "Requests placed again after their stream broke, by cause: decode_lost (the decode "
+            "worker died or went away) or prefill_failed (the prefill worker or its transfer).",
+            ["cause"],
+            registry=r,
+        )
+        for cause in ("decode_lost", "prefill_failed"):  # exported at 0 from the start
+            self.migrations.labels(cause)
+
+    def count_migration(self, cause: str) -> None:
+        self.migrations.labels(cause).inc()
 
     def count_request(self, endpoint: str, status: str | int) -> None:
         self.requests.labels(endpoint, str(status)).inc()

@@ -6,11 +6,17 @@ hit) -> transfer begun -> batched with prompts that arrived close together (Asyn
 -> forward pass, each layer handed to the transfer job as soon as its KV is written ->
 transfer confirmed in the destination -> reply. Whatever happens, the local blocks are
 released (kept in the prefix cache) only once the transfer's outcome is in.
+
+KV fencing, the writer's half: an error reply carries the trailing metadata
+``pdserve-kv-fenced: 1`` only when this worker's writer is known to have stopped touching the
+destination (it never began, or its abort came back), so the reader may reuse its blocks at
+once; without it the reader waits out the KV lease (the deadline plus its grace).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from typing import NoReturn
 
@@ -34,6 +40,7 @@ DEFAULT_DEADLINE_S = 30.0
 # deadline); later, the writer is taken for stuck.
 OUTCOME_GRACE_S = 5.0
 ROLE = "prefill"
+FENCED = (("pdserve-kv-fenced", "1"),)
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -44,6 +51,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.source = KVSource(eng.kv.as_bytes(), KVLayout.from_spec(eng.kv_spec))
         self.inflight = 0
         self._releases: set[asyncio.Task[None]] = set()
+        # Engine keys are per call: a request placed again (a migration, a retry) may reach
+        # this worker while its earlier attempt's blocks are still held for a transfer.
+        self._calls = itertools.count()
         for name in transports:  # export the series at 0 before the first transfer
             metrics.TRANSFER_BYTES.labels(ROLE, name)
 
@@ -72,6 +82,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 raise InvalidRequestError("request_id is required")
             params = sampling_from_proto(request.sampling)
             ids = list(request.prompt_token_ids)
+            resumed = list(request.resume_token_ids)
             dest = request.kv_destination
             handle = handle_from_proto(dest.region)
             transport = self.transports.get(handle.transport)
@@ -87,33 +98,31 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                     f"kv_destination block id {outside[0]} outside the region's "
                     f"{handle.layout.num_blocks} blocks"
                 )
-            need = self.aengine.engine.blocks.blocks_needed(len(ids))
+            need = self.aengine.engine.blocks.blocks_needed(len(ids) + len(resumed))
             if len(dst_ids) != need:
                 raise InvalidRequestError(
-                    f"kv_destination has {len(dst_ids)} blocks; {len(ids)} prompt tokens need "
-                    f"{need}"
+                    f"kv_destination has {len(dst_ids)} blocks; {len(ids)} prompt tokens "
+                    f"+ {len(resumed)} resumed need {need}"
                 )
         except (InvalidRequestError, TransferError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            raise AssertionError("unreachable") from e
+            await _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
         budget = request.deadline_ms / 1000 if request.deadline_ms else DEFAULT_DEADLINE_S
         deadline = arrival + budget
         try:
             writer = transport.connect(handle, self.source)
         except IncompatibleLayoutError as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-            raise AssertionError("unreachable") from e
+            await _refuse(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except TransferError as e:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"cannot reach the KV destination: {e}"
+            await _refuse(
+                context, grpc.StatusCode.UNAVAILABLE, f"cannot reach the KV destination: {e}"
             )
-            raise AssertionError("unreachable") from e
 
+        key = f"{rid}#{next(self._calls)}"
         try:
-            plan = await self.aengine.plan_prefill(rid, ids, params)
+            plan = await self.aengine.plan_prefill(key, ids, params, resumed)
         except Exception as e:
-            await self._fail(context, e)
+            await self._fail(context, e, fenced=True)
         job: TransferJob | None = None
         try:
             job = writer.begin(rid, plan.block_ids, dst_ids, deadline=deadline)
@@ -130,14 +139,16 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 job.abort("cancelled: the caller went away")
             raise
         except Exception as e:
+            stopped = True
             if job is not None:
                 job.abort(f"failed: {type(e).__name__}")
-            await self._fail(context, e)
+                stopped = await _stopped(job)
+            await self._fail(context, e, fenced=stopped)
         finally:
             # The source blocks are read by the transfer until its outcome is in; the
             # release waits for that, and the reply need not wait for the release (a
             # command to the engine thread, which may be computing another prompt).
-            self._release_later(rid, job)
+            self._release_later(key, job)
         done = time.monotonic()
         metrics.TRANSFER_BYTES.labels(ROLE, handle.transport).inc(result.bytes)
         metrics.TRANSFER_SECONDS.labels(ROLE, handle.transport).observe(result.seconds)
@@ -162,8 +173,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             transfer_tail_seconds=done - computed,
         )
 
-    async def _fail(self, context: grpc.aio.ServicerContext, e: BaseException) -> NoReturn:
+    async def _fail(
+        self, context: grpc.aio.ServicerContext, e: BaseException, *, fenced: bool
+    ) -> NoReturn:
         metrics.ERRORS.labels(ROLE, type(e).__name__).inc()
+        if fenced:
+            context.set_trailing_metadata(FENCED)
         await abort_with(context, e)
         raise AssertionError("unreachable") from e
 
@@ -185,6 +200,26 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 log.error("transfer_outcome_lost", request_id=rid)
                 return
         await self.aengine.release(rid)
+
+
+async def _refuse(
+    context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str
+) -> NoReturn:
+    """Refuse a call before any writer began: nothing was written."""
+    context.set_trailing_metadata(FENCED)
+    await context.abort(code, message)
+    raise AssertionError("unreachable")
+
+
+async def _stopped(job: TransferJob) -> bool:
+    """Whether an aborted job's writer came back (it no longer touches the destination)."""
+    try:
+        await _outcome(job)
+    except TransferError:
+        return True
+    except TimeoutError:
+        return False
+    return True  # it had finished before the abort
 
 
 async def _outcome(job: TransferJob) -> TransferResult:

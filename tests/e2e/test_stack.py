@@ -261,26 +261,71 @@ async def test_bad_input_is_a_clear_4xx_and_the_stack_survives(stack) -> None:
     assert text
 
 
-async def test_killed_decode_worker_is_dropped_and_survivors_serve(stack, expected) -> None:
+LONG = 40  # tokens per stream in the kill tests: long enough to kill one mid-stream
+POEMS = [f"Write a long poem about the number {i}." for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def expected_long(make_engine, default_tokenizer) -> dict[str, str]:
+    tok = default_tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+               for q in POEMS]  # fmt: skip
+    res = make_engine().generate(prompts, SamplingParams(max_tokens=LONG, temperature=0.0))
+    return {q: r.text for q, r in zip(POEMS, res, strict=True)}
+
+
+async def _chat_counting(client, model: str, q: str, seen: list[int], i: int) -> str:
+    """A greedy streamed chat that counts its content chunks in ``seen[i]``."""
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": q}],
+        max_tokens=LONG,
+        temperature=0,
+        stream=True,
+    )
+    text = []
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            text.append(chunk.choices[0].delta.content)
+            seen[i] += 1
+    return "".join(text)
+
+
+def _gateway_metric(endpoints, name: str, labels: str = "") -> float:
+    return _metric(endpoints["http"].removesuffix("/v1") + "/metrics", name, labels)
+
+
+async def test_killed_decode_worker_streams_migrate_with_identical_greedy_text(
+    stack, expected, expected_long
+) -> None:
+    """kill -9 of a decode worker mid-stream: its streams are placed again with the tokens
+    the client already has and finish on the other worker: one stream each, the same greedy
+    text as an uninterrupted run."""
     st, endpoints = stack
     client = _client(endpoints)
     model = await _model(client)
-    victim = next(p for p in st.procs if p.name == "decode-1")
-    # requests in flight on the victim end with an error, never a hang
-    inflight = [
-        asyncio.ensure_future(_chat(client, model, f"Write a long poem number {i}.", 200))
-        for i in range(4)
+    victim = st.named("decode-1")
+    before = _gateway_metric(endpoints, "pdserve:migrations_total", 'cause="decode_lost"')
+    seen = [0] * len(POEMS)
+    streams = [
+        asyncio.ensure_future(_chat_counting(client, model, q, seen, i))
+        for i, q in enumerate(POEMS)
     ]
-    await asyncio.sleep(2.0)
+    deadline = time.monotonic() + 120
+    while min(seen) < 3:  # every stream is producing: kill one worker mid-stream
+        assert time.monotonic() < deadline, seen
+        assert not any(s.done() for s in streams), [s for s in streams if s.done()]
+        await asyncio.sleep(0.02)
     assert victim.popen is not None
     victim.popen.kill()
-    done = await asyncio.wait_for(asyncio.gather(*inflight, return_exceptions=True), 120)
-    assert all(isinstance(r, tuple | openai.APIError) for r in done), done
-    # the scheduler spreads the four over both decode workers: the victim's fail cleanly
-    assert any(isinstance(r, openai.APIError) for r in done), done
-    await asyncio.sleep(2.0 + 1.0)  # heartbeat TTL + slack: the scheduler drops the victim
-    results = await asyncio.gather(*(_chat(client, model, q) for q in QUESTIONS))
-    assert [t for t, _ in results] == [expected[q] for q in QUESTIONS]
+    texts = await asyncio.wait_for(asyncio.gather(*streams), 180)
+    assert texts == [expected_long[q] for q in POEMS]
+    moved = _gateway_metric(endpoints, "pdserve:migrations_total", 'cause="decode_lost"')
+    # the scheduler spreads the four over both decode workers: the victim's moved
+    assert moved - before >= 1
+    # survivors serve new requests too (the victim stays dead until the next test)
+    results = await asyncio.gather(*(_chat(client, model, q) for q in QUESTIONS[:4]))
+    assert [t for t, _ in results] == [expected[q] for q in QUESTIONS[:4]]
 
 
 def _live_segments() -> dict[str, bool]:
