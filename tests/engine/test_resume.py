@@ -69,9 +69,12 @@ def test_disaggregated_resume_equals_uninterrupted(make_engine, prompt) -> None:
         plan = prefill.plan_prefill(rid, prompt, params, resumed=full[:k])
         assert plan.num_tokens == len(prompt) + k
         assert len(dst) == len(plan.block_ids)
-        (out,) = prefill.run_prefill(
-            [plan], lambda layer: _copy_layer(prefill.kv, decode.kv, layer, plan.block_ids, dst)
-        )
+        src = plan.block_ids
+
+        def copy(layer: int, src=src, dst=dst) -> None:
+            _copy_layer(prefill.kv, decode.kv, layer, src, dst)
+
+        (out,) = prefill.run_prefill([plan], copy)
         prefill.release(rid)
         first = decode.add_prefilled(rid, out.token_id, out.logprob)
         assert first.num_output_tokens == k + 1
