@@ -101,3 +101,48 @@ def test_the_placement_key_is_derived_from_the_token() -> None:
     key = ClusterAuth(token=TOKEN).placement_key
     assert key is not None and len(key) == 32 and TOKEN.encode() not in key
     assert key != ClusterAuth(token=TOKEN + "x").placement_key
+
+
+def _pki(tmp_path) -> dict[str, bytes]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate (openssl)."""
+    import subprocess
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+        "-days", "1", "-subj", "/CN=pdserve-test-ca")  # fmt: skip
+    (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    for name in ("server", "client"):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
+            f"{name}.csr", "-subj", f"/CN={name}")  # fmt: skip
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", f"{name}.pem", "-days", "1",
+            "-extfile", "san.ext")  # fmt: skip
+    return {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+
+async def test_mutual_tls_with_the_token(tmp_path) -> None:
+    pki = _pki(tmp_path)
+    server_auth = ClusterAuth(
+        token=TOKEN, cert=pki["server.pem"], key=pki["server.key"], ca=pki["ca.pem"]
+    )
+    server, echo = await _server(server_auth)
+    try:
+        client = ClusterAuth(
+            token=TOKEN, cert=pki["client.pem"], key=pki["client.key"], ca=pki["ca.pem"]
+        )
+        async with cluster_auth.channel(server.address, client) as ch:
+            await _deregister(ch)
+        assert echo.calls == 1
+        no_cert = ClusterAuth(token=TOKEN, ca=pki["ca.pem"])  # TLS, but no client certificate
+        async with cluster_auth.channel(server.address, no_cert) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await _deregister(ch)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE  # the handshake fails
+        async with grpc.aio.insecure_channel(server.address) as ch:  # plaintext: refused
+            with pytest.raises(grpc.aio.AioRpcError):
+                await _deregister(ch)
+        assert echo.calls == 1
+    finally:
+        await server.stop(None)
