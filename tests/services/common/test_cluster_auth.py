@@ -4,6 +4,8 @@ settings and files are read the one way every service shares."""
 
 from __future__ import annotations
 
+import shutil
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -122,6 +124,7 @@ def _pki(tmp_path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in tmp_path.iterdir()}
 
 
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 async def test_mutual_tls_with_the_token(tmp_path) -> None:
     pki = _pki(tmp_path)
     server_auth = ClusterAuth(
