@@ -46,10 +46,15 @@ def free_port() -> int:
 class Stack:
     """Starts and stops a set of processes; the owner of their lifetimes."""
 
-    def __init__(self, *, log_dir: Path, echo: bool = False) -> None:
+    def __init__(
+        self, *, log_dir: Path, echo: bool = False, env: dict[str, str] | None = None
+    ) -> None:
+        """``env``: variables every process gets on top of this one's environment (``pdserve
+        up`` puts the stack's cluster token there)."""
         self.procs: list[Proc] = []
         self.log_dir = log_dir
         self.echo = echo
+        self.env: dict[str, str] = dict(env or {})
 
     def start(self, proc: Proc, *, ready_line: str | None = "READY ") -> Proc:
         """Start ``proc``; it is ready once a line containing ``ready_line`` appears (our
@@ -83,7 +88,7 @@ class Stack:
             stderr=subprocess.STDOUT,
             text=True,
             preexec_fn=pin,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            env=dict(os.environ, **self.env, PYTHONUNBUFFERED="1"),
         )
         popen, ready_line = proc.popen, proc.ready_line
 

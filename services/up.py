@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -164,6 +165,10 @@ def worker_placement(
 def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
     """Start everything and wait until it serves; returns the endpoints."""
     workdir = stack.log_dir
+    # One fresh cluster token per stack, in every process's environment (never on a command
+    # line); the stack's own, whatever the caller's environment says.
+    stack.env.setdefault("PDSERVE_CLUSTER_TOKEN", secrets.token_urlsafe(32))
+    stack.env.setdefault("PDSERVE_CLUSTER_TOKEN_FILE", "")
     redis_port = cfg.redis_port or free_port()
     cores = sorted(os.sched_getaffinity(0))
     control = cfg.control_cores(cores)

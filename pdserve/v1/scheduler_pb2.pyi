@@ -38,16 +38,18 @@ class PlaceRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., attempt: _Optional[int] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prompt_block_hashes: _Optional[_Iterable[int]] = ..., hash_block_size: _Optional[int] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("request_id", "prefill", "decode", "expected_cached_tokens")
+    __slots__ = ("request_id", "prefill", "decode", "expected_cached_tokens", "placement_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefill: _common_pb2.WorkerInfo
     decode: _common_pb2.WorkerInfo
     expected_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prefill: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., decode: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., expected_cached_tokens: _Optional[int] = ...) -> None: ...
+    placement_token: str
+    def __init__(self, request_id: _Optional[str] = ..., prefill: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., decode: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., expected_cached_tokens: _Optional[int] = ..., placement_token: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker",)

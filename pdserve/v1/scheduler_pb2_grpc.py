@@ -94,6 +94,9 @@ class SchedulerServicer:
         Re-registering the same worker_id replaces its record (idempotent).
         Errors: INVALID_ARGUMENT (empty worker_id or grpc_address, role UNSPECIFIED, zero
         capacity fields); UNAVAILABLE (scheduler starting or draining).
+
+        Every RPC of this service answers UNAUTHENTICATED when the cluster has a token and the
+        call's metadata lacks it (x-pdserve-cluster-token); see docs/security.md.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -63,6 +63,11 @@ class PrefillWorkerServicer:
         request (the KV lease).
 
         Errors:
+        UNAUTHENTICATED      the cluster has a token and the call's metadata lacks it
+        (x-pdserve-cluster-token; docs/security.md).
+        PERMISSION_DENIED    the cluster has a token and placement_token is missing, forged,
+        expired, or names another request, decode worker or KV region
+        than this request and its kv_destination: nothing is written.
         INVALID_ARGUMENT     empty prompt, token id >= vocab size, a bad sampling parameter,
         block_ids not covering the prompt exactly, a block id outside the
         region, a transport this worker does not serve.
@@ -160,6 +165,7 @@ class DecodeWorkerServicer:
         slower than generation). Exactly the last event has finish_reason set and carries usage.
 
         Errors before the first event:
+        UNAUTHENTICATED      the cluster has a token and the call's metadata lacks it.
         INVALID_ARGUMENT     bad prompt or sampling parameters (as Gateway.Generate), or
         request_id already running on this worker.
         RESOURCE_EXHAUSTED   no room in the KV pool or the running batch now.

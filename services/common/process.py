@@ -25,6 +25,8 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common import cluster_auth
+
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
@@ -63,12 +65,21 @@ def run(
     level: str,
     main: Coroutine[Any, Any, int | None],
     tuning: Tuning | None = None,
+    cluster: cluster_auth.ClusterAuthArgs | None = None,
 ) -> int:
-    """Start a service process: logs, then ``tuning`` (once), then ``main`` on uvloop;
-    returns the exit status (``main``'s, 0 for None)."""
+    """Start a service process: logs, then its cluster auth from ``cluster`` (installed for
+    the process: ``cluster_auth.channel``; an unreadable file exits 2), then ``tuning``
+    (once), then ``main`` on uvloop; returns the exit status (``main``'s, 0 for None)."""
     import uvloop
 
     configure_logging(service, level)
+    if cluster is not None:
+        try:
+            cluster_auth.install(cluster_auth.load(cluster), service)
+        except ValueError as e:
+            main.close()
+            log.error("cluster_auth_unusable", error=str(e))
+            return 2
     if tuning is not None:
         tuning.apply()
     return uvloop.run(main) or 0
@@ -103,6 +114,8 @@ class GrpcServer:
     Add servicers to ``server`` before ``start``. Health reports SERVING for "" and each of
     ``services`` from ``start`` on, NOT_SERVING for good from ``drain`` on. A message over
     ``max_message_bytes`` gets RESOURCE_EXHAUSTED. ``OSError`` when the port cannot be bound.
+    ``auth``: an internal server's cluster auth (the token checked on every call but health
+    and reflection, TLS when it has a certificate); None: the gateway's public server.
     """
 
     def __init__(
@@ -113,22 +126,28 @@ class GrpcServer:
         *,
         advertise_host: str | None = None,
         max_message_bytes: int = 64 << 20,
+        auth: cluster_auth.ClusterAuth | None = None,
     ) -> None:
         self.services = tuple(services)
         self.server = grpc.aio.server(
+            interceptors=auth.interceptors() if auth is not None else (),
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.so_reuseport", 0),  # a port in use fails here, never shared
-            ]
+            ],
         )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (*self.services, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )
+        creds = auth.server_credentials() if auth is not None else None
         try:
-            self.port = self.server.add_insecure_port(f"{host}:{port}")
+            if creds is None:
+                self.port = self.server.add_insecure_port(f"{host}:{port}")
+            else:
+                self.port = self.server.add_secure_port(f"{host}:{port}", creds)
         except RuntimeError as exc:  # grpc's "Failed to bind"
             raise OSError(f"cannot bind gRPC to {host}:{port}: {exc}") from None
         self.address = f"{reachable(host, advertise_host)}:{self.port}"

@@ -13,6 +13,11 @@ The rules, the same for every service:
   ``--no-x``; in the environment true/false, 1/0, yes/no, on/off), ``T | None`` (an empty
   value is None) and ``tuple[str, ...]`` (a comma list); any other type names a ``parse``
   hook (text -> value, raising ``ValueError`` or ``argparse.ArgumentTypeError``);
+- a field declared with ``env=`` reads that variable instead, the same name in every
+  service (``PDSERVE_CLUSTER_TOKEN_FILE``: one cluster, one setting); one declared
+  ``secret=True`` has no flag at all (a secret on a command line is visible to every user
+  of the machine), is left out of ``repr`` and ``to_argv``, and is set through its
+  variable only;
 - precedence: flag > environment variable > the field's default;
 - a value that does not parse, and whatever the dataclass's ``__post_init__`` refuses
   (``ValueError``: the one place a config is validated), is an argparse usage error
@@ -45,12 +50,17 @@ def setting(
     choices: Sequence[str] | None = None,
     metavar: str | None = None,
     const: Any = None,
+    env: str | None = None,
+    secret: bool = False,
 ) -> Any:
     """A config field: its default, help text and, for a type the annotation cannot read,
     ``parse``. ``choices``: the only values accepted. ``const``: the flag may be given
-    without a value, meaning ``const``."""
-    meta = {"help": help, "parse": parse, "choices": choices, "metavar": metavar, "const": const}
-    return dataclasses.field(default=default, metadata=meta)
+    without a value, meaning ``const``. ``env``: the variable's full name, shared by every
+    service (default: ``PDSERVE_<SERVICE>_<FIELD>``). ``secret``: no flag, environment only,
+    hidden from ``repr``."""
+    meta = {"help": help, "parse": parse, "choices": choices, "metavar": metavar, "const": const,
+            "env": env, "secret": secret}  # fmt: skip
+    return dataclasses.field(default=default, metadata=meta, repr=not secret)
 
 
 def flag_name(field_name: str) -> str:
@@ -75,6 +85,14 @@ class _Flag:
     @property
     def optional(self) -> bool:
         return _is_optional(self.type)
+
+    @property
+    def secret(self) -> bool:
+        return bool(self.meta.get("secret"))
+
+    def env(self, service: str) -> str:
+        """The variable that sets this field in ``service``."""
+        return self.meta.get("env") or env_name(service, self.name)
 
     @property
     def base(self) -> Any:
@@ -173,6 +191,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> argparse.Argume
     """
     groups: dict[str | None, Any] = {None: parser}
     for group, flag in _flags(cls):
+        if flag.secret:
+            continue  # environment only
         if group not in groups:
             groups[group] = parser.add_argument_group(group)
         _add_flag(groups[group], flag)
@@ -185,6 +205,8 @@ def _add_flag(group: Any, flag: _Flag) -> None:
     if "default:" not in help_text:  # a help that explains its default keeps its words
         shown = _format(flag.default) if flag.default is not None else ""
         help_text += f" (default: {shown or 'none'})"
+    if meta.get("env"):
+        help_text += f" [variable: {meta['env']}, in every service]"
     help_text = help_text.replace("%", "%%")
     common: dict[str, Any] = {"dest": flag.name, "default": argparse.SUPPRESS, "help": help_text}
     if flag.base is bool and not flag.optional:
@@ -220,7 +242,7 @@ def from_namespace(
         if hasattr(args, flag.name):
             values[flag.name] = getattr(args, flag.name)
             continue
-        var = env_name(service, flag.name)
+        var = flag.env(service)
         raw = env.get(var)
         if raw is None:
             continue
@@ -313,7 +335,7 @@ def to_argv(config: Any) -> list[str]:
     out: list[str] = []
     for _, flag in _flags(type(config)):
         value = values[flag.name]
-        if value == flag.default:
+        if value == flag.default or flag.secret:
             continue
         if flag.base is bool and not flag.optional:
             out.append(flag_name(flag.name) if value else "--no-" + flag.name.replace("_", "-"))

@@ -22,9 +22,11 @@ from engine.llm_engine import LLMEngine
 from pdserve.v1 import common_pb2, scheduler_pb2
 from services.common import metrics, process
 from services.common.engine_args import EngineArgs
+from services.common.placement_token import region_digest
 from services.common.registration import Registrar
 from services.common.tuning import Tuning
 from services.common.worker_args import WorkerArgs
+from transfer.handle import MemoryRegionHandle
 
 log = structlog.get_logger(__name__)
 
@@ -55,16 +57,28 @@ def build_engine(
     return AsyncEngine(engine, **tuning.engine_options(), **options)
 
 
+def worker_id(args: WorkerArgs, role: str, server: process.GrpcServer) -> str:
+    """The id this worker registers under."""
+    return args.worker_id or f"{role}-{host_id()}-{server.port}"
+
+
 def worker_info(
     args: WorkerArgs,
     role: str,
     server: process.GrpcServer,
     engine: LLMEngine,
     transports: list[str],
+    kv_region: MemoryRegionHandle | None = None,
 ) -> common_pb2.WorkerInfo:
+    """``kv_region``: the region prefill workers write into (decode workers); its digest is
+    what placement tokens name."""
     host = server.address.rsplit(":", 1)[0]
+    digest = ""
+    if kv_region is not None:
+        digest = region_digest(kv_region.transport, kv_region.address, kv_region.region_id)
     return common_pb2.WorkerInfo(
-        worker_id=args.worker_id or f"{role}-{host_id()}-{server.port}",
+        worker_id=worker_id(args, role, server),
+        kv_region_digest=digest,
         role=_ROLES[role],
         grpc_address=server.address,
         metrics_address=f"{host}:{args.metrics_port}" if args.metrics_port else "",
@@ -113,6 +127,7 @@ async def serve_worker(
     aengine: AsyncEngine,
     transports: list[str],
     inflight: Callable[[], int],
+    kv_region: MemoryRegionHandle | None = None,
 ) -> None:
     """Run until SIGTERM; then stop taking work and wait for in-flight requests."""
     process.start_metrics(args.metrics_port, args.host)
@@ -133,7 +148,7 @@ async def serve_worker(
     background = [publish_gauges()]
     registrar = None
     if args.scheduler:
-        info = worker_info(args, role, server, aengine.engine, transports)
+        info = worker_info(args, role, server, aengine.engine, transports, kv_region)
         registrar = Registrar(
             args.scheduler, info, lambda: load_snapshot(aengine, role),
             interval_s=args.heartbeat_interval_s,

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 async def _main(cfg: DecodeConfig) -> None:
     # Imported after the flags are read: they pull in torch, and --help stays fast.
     from pdserve.v1 import worker_pb2_grpc
-    from services.common.worker import build_engine, serve_worker
+    from services.common import cluster_auth
+    from services.common.worker import build_engine, serve_worker, worker_id
     from services.decode.server import DecodeServicer
     from transfer.handle import KVLayout
     from transfer.registry import get_transport
@@ -62,19 +63,23 @@ async def _main(cfg: DecodeConfig) -> None:
     aengine = build_engine(cfg.engine, cfg.tuning, kv_memory)
     server = process.GrpcServer(
         ["pdserve.v1.DecodeWorker"], cfg.worker.host, cfg.worker.port,
-        advertise_host=cfg.worker.advertise_host,
+        advertise_host=cfg.worker.advertise_host, auth=cluster_auth.installed(),
     )  # fmt: skip
+    handle = region.handle if region is not None else None
     servicer = DecodeServicer(
         aengine,
-        region.handle if region is not None else None,
+        handle,
         role=cfg.role,
+        worker_id=worker_id(cfg.worker, cfg.role, server),
         local_prefill_max_tokens=cfg.local_prefill_max_tokens,
         prefill_deadline_s=cfg.prefill_deadline_s,
     )
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server.server)
     names = [cfg.transport] if cfg.role == "decode" else []
     try:
-        await serve_worker(cfg.worker, cfg.role, server, aengine, names, lambda: servicer.inflight)
+        await serve_worker(
+            cfg.worker, cfg.role, server, aengine, names, lambda: servicer.inflight, handle
+        )
     finally:
         await servicer.close()
         if transport is not None:
@@ -83,7 +88,7 @@ async def _main(cfg: DecodeConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = load_config(argv)
-    return process.run(cfg.role, cfg.worker.log_level, _main(cfg), cfg.tuning)
+    return process.run(cfg.role, cfg.worker.log_level, _main(cfg), cfg.tuning, cfg.cluster)
 
 
 if __name__ == "__main__":

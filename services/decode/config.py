@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common import settings
+from services.common.cluster_auth import ClusterAuthArgs
 from services.common.engine_args import EngineArgs
 from services.common.settings import setting
 from services.common.tuning import Tuning
@@ -39,6 +40,7 @@ class DecodeConfig:
     prefill_deadline_s: float = setting(
         30.0, "deadline of a remote prefill, KV transfer included", metavar="SECONDS"
     )
+    cluster: ClusterAuthArgs = field(default_factory=ClusterAuthArgs)
     engine: EngineArgs = field(default_factory=EngineArgs)
     tuning: Tuning = field(default_factory=Tuning)
 

@@ -32,7 +32,7 @@ from engine.errors import InvalidRequestError
 from engine.output_processor import RequestOutput
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from services.common import metrics
+from services.common import cluster_auth, metrics
 from services.common.convert import finish_to_proto, handle_to_proto, sampling_from_proto, usage
 from services.common.grpc_errors import abort_with, status_for
 from transfer.handle import MemoryRegionHandle
@@ -71,12 +71,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         role: str = "decode",
         local_prefill_max_tokens: int = 0,
         prefill_deadline_s: float = PREFILL_DEADLINE_S,
+        worker_id: str = "",
     ) -> None:
         self.aengine = aengine
         self.region = region
         self.role = role
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.prefill_deadline_s = prefill_deadline_s
+        self.worker_id = worker_id
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._fences: set[asyncio.Task[None]] = set()
         self._attempts = itertools.count()
@@ -88,7 +90,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def _prefill_stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
         ch = self._channels.get(address)
         if ch is None:
-            ch = grpc.aio.insecure_channel(address)
+            ch = cluster_auth.channel(address)
             self._channels[address] = ch
         return worker_pb2_grpc.PrefillWorkerStub(ch)
 
@@ -182,6 +184,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             resume_token_ids=resumed,
             sampling=request.sampling,
             deadline_ms=int(self.prefill_deadline_s * 1000),
+            decode_worker_id=self.worker_id,
+            placement_token=request.placement_token,
             kv_destination=worker_pb2.KVDestination(
                 region=handle_to_proto(self.region), block_ids=blocks
             ),

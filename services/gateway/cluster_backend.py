@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.block_hash import hash_blocks
 from engine.errors import InvalidRequestError, ResourceExhaustedError
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common import cluster_auth
 from services.common.convert import finish_from_proto, sampling_to_proto
 from services.gateway.backend import BackendUnavailableError, GenerateChunk, GenerateInput
 
@@ -101,7 +102,7 @@ class ClusterBackend:
 
     def start(self) -> None:
         """Open the scheduler channel; call on the event loop that will use it."""
-        self._sched_channel = grpc.aio.insecure_channel(self.scheduler_address)
+        self._sched_channel = cluster_auth.channel(self.scheduler_address)
         self._sched = scheduler_pb2_grpc.SchedulerStub(self._sched_channel)
         self._health = health_pb2_grpc.HealthStub(self._sched_channel)
 
@@ -124,7 +125,7 @@ class ClusterBackend:
     def _decode_stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
         ch = self._channels.get(address)
         if ch is None:
-            ch = grpc.aio.insecure_channel(address)
+            ch = cluster_auth.channel(address)
             self._channels[address] = ch
         return worker_pb2_grpc.DecodeWorkerStub(ch)
 
@@ -198,6 +199,7 @@ class ClusterBackend:
                 prefill_address=prefill_addr,
                 prefill_worker_id=placement.prefill.worker_id if prefill_addr else "",
                 resume_token_ids=received,
+                placement_token=placement.placement_token,
             ),
             timeout=self.generate_timeout_s,
         )

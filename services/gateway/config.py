@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common import settings
+from services.common.cluster_auth import ClusterAuthArgs
 from services.common.config import LOG_LEVELS, log_level
 from services.common.engine_args import EngineArgs
 from services.common.settings import setting
@@ -52,6 +53,8 @@ class GatewayConfig:
         "prefill failed (the new decode worker resumes after the tokens already sent; 0: never)",
     )
     log_level: str = setting("info", "log level", parse=log_level, choices=LOG_LEVELS)
+    # How the cluster backend's calls to the scheduler and decode workers authenticate.
+    cluster: ClusterAuthArgs = field(default_factory=ClusterAuthArgs)
     # The local backend's engine; the cluster backend reads only model and max_model_len.
     engine: EngineArgs = field(default_factory=EngineArgs)
     tuning: Tuning = field(default_factory=Tuning)

@@ -17,6 +17,7 @@ from services.prefill.config import PrefillConfig, load_config
 async def _main(cfg: PrefillConfig) -> None:
     # Imported after the flags are read: they pull in torch, and --help stays fast.
     from pdserve.v1 import worker_pb2_grpc
+    from services.common import cluster_auth
     from services.common.worker import build_engine, serve_worker
     from services.prefill.server import PrefillServicer
     from transfer.registry import get_transport
@@ -25,9 +26,11 @@ async def _main(cfg: PrefillConfig) -> None:
     transports = {n: get_transport(n, **cfg.transport_options(n)) for n in cfg.transports}
     server = process.GrpcServer(
         ["pdserve.v1.PrefillWorker"], cfg.worker.host, cfg.worker.port,
-        advertise_host=cfg.worker.advertise_host,
+        advertise_host=cfg.worker.advertise_host, auth=cluster_auth.installed(),
     )  # fmt: skip
-    servicer = PrefillServicer(aengine, transports)
+    servicer = PrefillServicer(
+        aengine, transports, placement_key=cluster_auth.installed().placement_key
+    )
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server.server)
     try:
         await serve_worker(
@@ -41,7 +44,7 @@ async def _main(cfg: PrefillConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = load_config(argv)
-    return process.run("prefill", cfg.worker.log_level, _main(cfg), cfg.tuning)
+    return process.run("prefill", cfg.worker.log_level, _main(cfg), cfg.tuning, cfg.cluster)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common import settings
+from services.common.cluster_auth import ClusterAuthArgs
 from services.common.config import tcp_congestion
 from services.common.engine_args import EngineArgs
 from services.common.settings import setting
@@ -35,6 +36,7 @@ class PrefillConfig:
         metavar="NAME",
     )
     prefill_token_budget: int = setting(4096, "most prompt tokens computed in one forward pass")
+    cluster: ClusterAuthArgs = field(default_factory=ClusterAuthArgs)
     engine: EngineArgs = field(default_factory=EngineArgs)
     tuning: Tuning = field(default_factory=Tuning)
 

@@ -29,6 +29,7 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common import metrics
 from services.common.convert import handle_from_proto, sampling_from_proto
 from services.common.grpc_errors import abort_with
+from services.common.placement_token import PlacementTokenError, verify_write
 from transfer.base import KVSource, TransferJob, TransferResult, Transport
 from transfer.errors import IncompatibleLayoutError, TransferError
 from transfer.handle import KVLayout
@@ -44,8 +45,17 @@ FENCED = (("pdserve-kv-fenced", "1"),)
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, aengine: AsyncEngine, transports: dict[str, Transport]) -> None:
+    def __init__(
+        self,
+        aengine: AsyncEngine,
+        transports: dict[str, Transport],
+        *,
+        placement_key: bytes | None = None,
+    ) -> None:
+        """``placement_key``: with it, a destination is written only under a valid placement
+        token (``services.common.placement_token``); None: any destination (open cluster)."""
         self.aengine = aengine
+        self.placement_key = placement_key
         self.transports = transports
         eng = aengine.engine
         self.source = KVSource(eng.kv.as_bytes(), KVLayout.from_spec(eng.kv_spec))
@@ -107,6 +117,18 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         except (InvalidRequestError, TransferError) as e:
             await _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
+        if self.placement_key is not None:
+            try:
+                verify_write(
+                    self.placement_key, request.placement_token, request_id=rid,
+                    decode_worker_id=request.decode_worker_id, transport=handle.transport,
+                    address=handle.address, region_id=handle.region_id, now_unix_s=time.time(),
+                )  # fmt: skip
+            except PlacementTokenError as e:
+                log.warning("kv_destination_refused", reason=str(e))
+                denied = grpc.StatusCode.PERMISSION_DENIED
+                await context.abort(denied, f"KV destination refused: {e}")
+                raise AssertionError("unreachable") from e
         budget = request.deadline_ms / 1000 if request.deadline_ms else DEFAULT_DEADLINE_S
         deadline = arrival + budget
         try:

@@ -33,7 +33,7 @@ async def _main(config: SchedulerConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = load_config(argv)
-    return process.run("scheduler", config.log_level, _main(config))
+    return process.run("scheduler", config.log_level, _main(config), cluster=config.cluster)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common import settings
+from services.common.cluster_auth import ClusterAuthArgs
 from services.common.config import LOG_LEVELS, log_level
 from services.common.settings import setting
 from services.scheduler.policy import AdmissionLimits
@@ -45,7 +46,11 @@ class SchedulerConfig:
     prefix_ttl_s: float = setting(3600.0, "TTL of prefix-index sets in Redis (renewed on add)")
     store_queue_size: int = setting(8192, "bound of the Redis write-behind queue")
     drain_timeout_s: float = setting(5.0, "on SIGTERM: how long in-flight RPCs may finish")
+    placement_token_ttl_s: float = setting(
+        600.0, "how long a placement token lets a prefill worker write into the decode worker's KV"
+    )
     log_level: str = setting("info", "log level", parse=log_level, choices=LOG_LEVELS)
+    cluster: ClusterAuthArgs = field(default_factory=ClusterAuthArgs)
 
     def __post_init__(self) -> None:
         positive = (
@@ -58,6 +63,7 @@ class SchedulerConfig:
             "prefix_ttl_s",
             "store_queue_size",
             "redis_timeout_s",
+            "placement_token_ttl_s",
         )
         for name in positive:
             if not getattr(self, name) > 0:

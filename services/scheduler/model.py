@@ -100,6 +100,8 @@ class WorkerInfo:
     host_id: str = ""
     started_unix_ns: int = 0
     version: str = ""
+    kv_region_digest: str = ""
+    """Decode workers: the identity of their registered KV region (placement tokens name it)."""
 
 
 @dataclass(frozen=True)

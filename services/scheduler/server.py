@@ -33,7 +33,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from services.common import process
+from services.common import cluster_auth, placement_token, process
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.model import (
@@ -129,6 +129,7 @@ def worker_info_from_pb(pb: common_pb2.WorkerInfo) -> WorkerInfo:
         host_id=pb.host_id,
         started_unix_ns=pb.started_unix_ns,
         version=pb.version,
+        kv_region_digest=pb.kv_region_digest,
     )
 
 
@@ -152,6 +153,7 @@ def worker_info_to_pb(info: WorkerInfo) -> common_pb2.WorkerInfo:
         host_id=info.host_id,
         started_unix_ns=info.started_unix_ns,
         version=info.version,
+        kv_region_digest=info.kv_region_digest,
     )
 
 
@@ -244,9 +246,20 @@ def outcome_from_pb(pb: scheduler_pb2.Outcome) -> Outcome:
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     """``pdserve.v1.Scheduler`` over a running ``SchedulerState``."""
 
-    def __init__(self, state: SchedulerState, metrics: SchedulerMetrics) -> None:
+    def __init__(
+        self,
+        state: SchedulerState,
+        metrics: SchedulerMetrics,
+        *,
+        placement_key: bytes | None = None,
+        placement_token_ttl_s: float = placement_token.DEFAULT_TTL_S,
+    ) -> None:
+        """``placement_key``: sign a placement token into every placement with a prefill
+        worker (None: the cluster has no token, placements carry none)."""
         self._state = state
         self._metrics = metrics
+        self._placement_key = placement_key
+        self._placement_token_ttl_s = placement_token_ttl_s
         self.draining = False
         """Set on shutdown: Place and RegisterWorker answer UNAVAILABLE."""
 
@@ -298,7 +311,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             prefill=result.prefill.worker_id if result.prefill else None,
             mode=result.mode.value,
         )
-        return placement_to_pb(result)
+        pb = placement_to_pb(result)
+        if self._placement_key is not None and result.prefill is not None:
+            claims = placement_token.Claims(
+                request_id=result.request_id,
+                decode_worker_id=result.decode.worker_id,
+                region_digest=result.decode.kv_region_digest,
+                expires_unix_s=time.time() + self._placement_token_ttl_s,
+            )
+            pb.placement_token = placement_token.mint(self._placement_key, claims)
+        return pb
 
     async def RegisterWorker(
         self, request: scheduler_pb2.RegisterWorkerRequest, context: grpc.aio.ServicerContext
@@ -371,8 +393,16 @@ class SchedulerServer:
             )
         sink: RecordSink | None = self._store
         self.state = SchedulerState(config.state_config(), sink=sink, metrics=self.metrics)
-        self.servicer = SchedulerServicer(self.state, self.metrics)
-        self.grpc = process.GrpcServer([SERVICE_NAME], config.grpc_host, config.grpc_port)
+        auth = cluster_auth.installed()
+        self.servicer = SchedulerServicer(
+            self.state,
+            self.metrics,
+            placement_key=auth.placement_key,
+            placement_token_ttl_s=config.placement_token_ttl_s,
+        )
+        self.grpc = process.GrpcServer(
+            [SERVICE_NAME], config.grpc_host, config.grpc_port, auth=auth
+        )
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.servicer, self.grpc.server)
 
     async def _restore(self) -> tuple[list[StoredWorker], dict[int, set[str]]]:

@@ -18,7 +18,13 @@ import openai
 import pytest
 
 from engine.sampling_params import SamplingParams
-from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from pdserve.v1 import (
+    common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 from services.launcher import Stack, free_port
 from services.supervisor import RestartPolicy, Supervisor
 from services.up import launch, load_up_config, pin_plan, worker_placement
@@ -164,6 +170,23 @@ async def test_openai_client_streams_the_real_answer(stack) -> None:
     text, reason = await _chat(client, await _model(client), "What is the capital of France?")
     assert "Paris" in text
     assert reason == "stop"
+
+
+async def test_the_stack_serves_with_a_cluster_token_its_scheduler_demands(stack) -> None:
+    st, endpoints = stack
+    assert len(st.env["PDSERVE_CLUSTER_TOKEN"]) >= 32  # pdserve up's own, per stack
+    async with grpc.aio.insecure_channel(endpoints["scheduler"]) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await scheduler_pb2_grpc.SchedulerStub(ch).Place(
+                scheduler_pb2.PlaceRequest(request_id="x", prompt_tokens=1, max_tokens=1),
+                timeout=5,
+            )
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # ...and every internal hop of a real request carried it: placed, prefilled remotely
+    # under a placement token, decoded
+    client = _client(endpoints)
+    text, _ = await _chat(client, await _model(client), "What is the capital of France?")
+    assert "Paris" in text
 
 
 async def test_32_concurrent_clients_equal_colocated_over_shm_and_tcp(

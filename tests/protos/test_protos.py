@@ -316,6 +316,7 @@ _WORKER = common_pb2.WorkerInfo(
     host_id="machine-1/boot-2",
     started_unix_ns=1_764_000_000_123_456_789,
     version="0.1.0",
+    kv_region_digest="ab" * 32,
 )
 _HASHES = [0, 1, 2**63 + 5, 2**64 - 1]
 
@@ -377,7 +378,11 @@ SAMPLES: dict[str, Message] = {
             hash_block_size=16,
         ),
         scheduler_pb2.Placement(
-            request_id="req-1", prefill=_WORKER, decode=_DECODE, expected_cached_tokens=512
+            request_id="req-1",
+            prefill=_WORKER,
+            decode=_DECODE,
+            expected_cached_tokens=512,
+            placement_token="v1.e30.c2ln",
         ),
         scheduler_pb2.RegisterWorkerRequest(worker=_WORKER),
         scheduler_pb2.RegisterWorkerReply(heartbeat_interval_ms=1000, lease_ttl_ms=5000),
@@ -423,6 +428,7 @@ SAMPLES: dict[str, Message] = {
             sampling=_SAMPLING,
             deadline_ms=2000,
             decode_worker_id="decode-0",
+            placement_token="v1.e30.c2ln",
             kv_destination=worker_pb2.KVDestination(
                 region=_REGION, block_ids=[7], num_present_tokens=0
             ),
@@ -445,6 +451,7 @@ SAMPLES: dict[str, Message] = {
             sampling=_SAMPLING,
             prefill_address="10.0.0.5:7001",
             prefill_worker_id="prefill-0",
+            placement_token="v1.e30.c2ln",
             resume_token_ids=[9, 10],
         ),
         worker_pb2.DecodeEvent(

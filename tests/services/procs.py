@@ -50,9 +50,12 @@ class ServiceProcess:
             self.proc.wait(5)
 
 
-def start_service(module: str, *args: str, ready_timeout: float = 120.0) -> ServiceProcess:
-    """Run ``python -m module args`` and wait for its ``READY <role> <address>`` line."""
-    stack = Stack(log_dir=Path(tempfile.mkdtemp(prefix="pdserve-test-")))
+def start_service(
+    module: str, *args: str, ready_timeout: float = 120.0, env: dict[str, str] | None = None
+) -> ServiceProcess:
+    """Run ``python -m module args`` (``env``: more environment) and wait for its
+    ``READY <role> <address>`` line."""
+    stack = Stack(log_dir=Path(tempfile.mkdtemp(prefix="pdserve-test-")), env=env)
     handle = stack.start(Proc(module.rsplit(".", 1)[-1], py(module, *args)))
     try:
         stack.wait_ready([handle], ready_timeout)

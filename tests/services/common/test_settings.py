@@ -69,10 +69,30 @@ def test_every_service_has_a_flag_per_field_by_the_same_rule(cls: type) -> None:
 
     parser = settings.build_parser(cls, "x")
     flags = {s for a in parser._actions for s in a.option_strings} - {"-h", "--help"}
-    wanted = {flag_name(f.name) for f in leaves(cls)}
+    wanted = {flag_name(f.name) for f in leaves(cls) if not f.metadata.get("secret")}
     negated = {"--no-" + f.name.replace("_", "-") for f in leaves(cls) if f.type == "bool"}
     assert flags == wanted | negated
     assert all(f.metadata["help"] for f in leaves(cls))
+
+
+@dataclass(frozen=True)
+class Shared:
+    token_file: str | None = setting(None, "a file", env="PDSERVE_SHARED_FILE")
+    token: str | None = setting(None, "a secret", env="PDSERVE_SHARED_TOKEN", secret=True)
+
+
+def test_a_shared_variable_and_a_secret() -> None:
+    env = {"PDSERVE_SHARED_FILE": "/f", "PDSERVE_SHARED_TOKEN": "s3cret"}
+    for service in ("gateway", "decode"):  # the same variable in every service
+        assert settings.load(Shared, service, [], env) == Shared("/f", "s3cret")
+    assert settings.load(Shared, "x", ["--token-file", "/g"], env).token_file == "/g"
+    parser = settings.build_parser(Shared, "x")
+    assert "--token" not in {s for a in parser._actions for s in a.option_strings}
+    with pytest.raises(SystemExit):  # a secret is no flag
+        settings.load(Shared, "x", ["--token", "s3cret"], {})
+    assert "PDSERVE_SHARED_FILE" in parser.format_help()
+    cfg = Shared("/f", "s3cret")
+    assert "s3cret" not in repr(cfg) and settings.to_argv(cfg) == ["--token-file", "/f"]
 
 
 def test_defaults_then_environment_then_flags() -> None:
