@@ -50,6 +50,7 @@ from typing import ClassVar
 import torch
 
 from transfer.errors import TransferError
+from transfer.faults import FaultDice, FaultPlan
 from transfer.handle import KVLayout, MemoryRegionHandle
 from transfer.plan import BlockPlan, plan_blocks
 
@@ -234,6 +235,7 @@ class RegionWriter(ABC):
     def __init__(self, handle: MemoryRegionHandle, source: KVSource) -> None:
         self.handle = handle
         self.source = source
+        self.dice: FaultDice | None = None  # a fault plan's decisions (transfer/faults.py)
 
     def begin(
         self,
@@ -295,6 +297,16 @@ class Transport(ABC):
         self._lock = threading.Lock()  # the two lists below; never held across I/O
         self._writers: dict[tuple[str, KVSource], RegionWriter] = {}
         self._regions: list[KVRegion] = []
+        self._dice: FaultDice | None = None
+
+    def inject_faults(self, plan: FaultPlan) -> None:
+        """Have writers opened from now on fail, slow down or stall as ``plan`` says (tests,
+        chaos runs); an inactive plan injects nothing."""
+        self._dice = FaultDice(plan) if plan.active else None
+
+    @property
+    def faults_injected(self) -> int:
+        return 0 if self._dice is None else self._dice.injected
 
     @abstractmethod
     def _register(self, layout: KVLayout) -> KVRegion: ...
@@ -324,6 +336,7 @@ class Transport(ABC):
         if cached is not None and not cached.closed and cached.handle == handle:
             return cached
         writer = self._open_writer(handle, source)  # may block (a TCP connect): not locked
+        writer.dice = self._dice  # before anyone has the writer: its owner reads it later
         with self._lock:
             current = self._writers.get(key)
             if current is not None and not current.closed and current.handle == handle:

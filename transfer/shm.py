@@ -210,6 +210,11 @@ class ShmWriter(OwnerThreadWriter):
         for work in list(self._works.values()):
             while work.pending and not work.done:
                 start, stop = lowest_run(work.pending)
+                try:
+                    self._inject(work)
+                except TransferError as exc:
+                    self._fail(work, exc)
+                    break
                 self._copy(work, start, stop)
 
     def _copy(self, work: JobWork, start: int, stop: int) -> None:

@@ -152,6 +152,10 @@ class TcpWriter(OwnerThreadWriter):
 
     # --- hooks ---------------------------------------------------------------------------
 
+    def _drop_connection(self, work: JobWork) -> None:
+        if self._conn is not None:
+            self._kill(self._conn, "injected fault: connection dropped")
+
     def _move(self) -> None:
         for work in list(self._works.values()):
             if work.pending and not work.done:
@@ -172,6 +176,7 @@ class TcpWriter(OwnerThreadWriter):
         conn = work.conn
         while work.pending:
             start, stop = lowest_run(work.pending)
+            self._inject(work)
             ranges = [r for layer in range(start, stop) for r in work.job.plan.ranges(layer)]
             for i, j, size in split_frames([n for _, _, n in ranges], MAX_RANGES, FRAME_BYTES):
                 part = ranges[i:j]

@@ -36,6 +36,7 @@ from transfer.base import (
     TransferStats,
 )
 from transfer.errors import TransferError, TransferTimeout
+from transfer.faults import InjectedFault
 from transfer.handle import MemoryRegionHandle
 from transfer.plan import check_layer
 
@@ -84,6 +85,7 @@ class JobWork(Owned):
         self.error: TransferError | None = None  # set once: the job failed
         self.first_write_at: float | None = None
         self.finish_at: float | None = None
+        self.faults: tuple[bool, bool, bool] | None = None  # (fail, stall, drop), when drawn
 
     @property
     def done(self) -> bool:
@@ -189,6 +191,28 @@ class OwnerThreadWriter(RegionWriter):
 
     def _release(self) -> None:
         """The owner is exiting: release the mapping or socket."""
+
+    def _drop_connection(self, work: JobWork) -> None:
+        """A fault plan drops ``work``'s connection (transports that have one)."""
+
+    def _inject(self, work: JobWork) -> None:
+        """The fault plan's say, right before a run of ``work``'s layers moves: delay, stall
+        (once per job), drop the connection or fail the job (``InjectedFault``)."""
+        dice = self.dice
+        if dice is None:
+            return
+        if work.faults is None:
+            work.faults = dice.job_fate()
+        fail, stall, drop = work.faults
+        work.faults = (False, False, False)  # each fires once per job
+        dice.delay()
+        if stall:
+            dice.stall()  # a late write follows: an abort that came meanwhile is unseen
+        if drop:
+            self._drop_connection(work)
+            raise InjectedFault(f"injected fault: connection of {work.job.request_id!r} dropped")
+        if fail:
+            raise InjectedFault(f"injected fault: transfer of {work.job.request_id!r} failed")
 
     # --- owner thread -------------------------------------------------------------------
 

@@ -1,0 +1,133 @@
+"""Fault injection for the KV data plane: what a failing link or peer does, on purpose.
+
+A ``FaultPlan`` is parsed from text such as ``"fail_rate=0.05,delay_ms=20,seed=7"`` (the
+``--faults`` flag of the prefill worker, or ``PDSERVE_FAULTS``). Off by default; a process
+started with ``PDSERVE_PRODUCTION=1`` refuses a plan unless it says ``force=1``. A writer's
+owner thread asks its ``FaultDice`` right before it moves the bytes of a layer run:
+
+- ``fail_rate`` / ``fail_every``: the job fails there (an injected ``TransferError``), after
+  its first run moved: some bytes landed, as when a link dies mid-transfer;
+- ``delay_ms``: every run waits this long first (a slow link; the owner is busy meanwhile);
+- ``stall_ms``: once per job, the owner freezes just before moving bytes, after its abort and
+  deadline checks (a writer descheduled or stopped mid-copy): what it moves when it wakes
+  is a late write, the case KV fencing exists for;
+- ``drop_every``: every Nth job's connection is dropped (tcp) before its first run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass, fields
+
+from transfer.errors import TransferError
+
+ENV = "PDSERVE_FAULTS"
+PRODUCTION_ENV = "PDSERVE_PRODUCTION"
+
+
+class InjectedFault(TransferError):
+    """A failure a fault plan asked for."""
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    fail_rate: float = 0.0
+    fail_every: int = 0
+    delay_ms: float = 0.0
+    stall_ms: float = 0.0
+    drop_every: int = 0
+    seed: int = 0
+    force: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fail_rate <= 1.0:
+            raise ValueError(f"fail_rate={self.fail_rate} must be in [0, 1]")
+        for name in ("fail_every", "delay_ms", "stall_ms", "drop_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+
+    def __str__(self) -> str:
+        """The plan as ``parse`` reads it: the fields that differ from the defaults."""
+        return ",".join(
+            f"{f.name}={int(v) if isinstance(v, bool) else v}"
+            for f in fields(self)
+            if (v := getattr(self, f.name)) != f.default
+        )
+
+    @property
+    def active(self) -> bool:
+        return bool(
+            self.fail_rate or self.fail_every or self.delay_ms or self.stall_ms or self.drop_every
+        )
+
+    @classmethod
+    def parse(cls, text: str, *, production: bool | None = None) -> FaultPlan:
+        """``key=value`` pairs, comma-separated; empty text is no faults. Raises
+        ``ValueError`` naming the bad part; refuses an active plan in production unless
+        forced (``production`` defaults to ``PDSERVE_PRODUCTION=1``)."""
+        types = {f.name: f.type for f in fields(cls)}
+        values: dict[str, object] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, raw = part.partition("=")
+            key = key.strip()
+            if not sep or key not in types:
+                raise ValueError(f"fault plan: {part!r} is not one of {sorted(types)} as key=value")
+            kind = types[key]
+            try:
+                if kind == "bool":
+                    values[key] = raw.strip() in ("1", "true", "yes")
+                elif kind == "int":
+                    values[key] = int(raw)
+                else:
+                    values[key] = float(raw)
+            except ValueError:
+                raise ValueError(f"fault plan: {key}={raw!r} is not a {kind}") from None
+        plan = cls(**values)  # type: ignore[arg-type]
+        if production is None:
+            production = os.environ.get(PRODUCTION_ENV) == "1"
+        if plan.active and production and not plan.force:
+            raise ValueError(
+                f"fault plan {text!r} refused: {PRODUCTION_ENV}=1 (add force=1 to inject anyway)"
+            )
+        return plan
+
+    @classmethod
+    def from_env(cls) -> FaultPlan:
+        return cls.parse(os.environ.get(ENV, ""))
+
+
+NO_FAULTS = FaultPlan()
+
+
+class FaultDice:
+    """A plan's decisions, job by job: shared by a transport's writers (any owner thread)."""
+
+    def __init__(self, plan: FaultPlan) -> None:
+        self.plan = plan
+        self._lock = threading.Lock()
+        self._rng = random.Random(plan.seed)
+        self._jobs = 0
+        self.injected = 0  # faults that happened (fail, stall, drop)
+
+    def job_fate(self) -> tuple[bool, bool, bool]:
+        """For a job starting now: ``(fail, stall, drop)``."""
+        p = self.plan
+        with self._lock:
+            self._jobs += 1
+            n = self._jobs
+            fail = bool(p.fail_every and n % p.fail_every == 0)
+            fail = fail or (p.fail_rate > 0 and self._rng.random() < p.fail_rate)
+            drop = bool(p.drop_every and n % p.drop_every == 0)
+            stall = p.stall_ms > 0
+            self.injected += fail + drop + stall
+        return fail, stall, drop
+
+    def delay(self) -> None:
+        if self.plan.delay_ms:
+            time.sleep(self.plan.delay_ms / 1000)
+
+    def stall(self) -> None:
+        time.sleep(self.plan.stall_ms / 1000)
