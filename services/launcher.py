@@ -146,11 +146,16 @@ class Stack:
 
 
 def redis_proc(port: int, workdir: Path) -> Proc:
+    """redis-server on ``port``, persisting to an append-only file under ``workdir/redis``
+    (fsync once a second), so a restarted Redis still has the request records."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise RuntimeError("redis-server is not installed (bash scripts/setup.sh installs it)")
-    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", str(workdir), "--protected-mode", "no"]  # fmt: skip
+    data = workdir / "redis"
+    data.mkdir(parents=True, exist_ok=True)
+    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "yes", "--appendfsync", "everysec",
+            "--dir", str(data), "--protected-mode", "no"]  # fmt: skip
     return Proc("redis", argv)
 
 

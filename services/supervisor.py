@@ -2,12 +2,13 @@
 within a restart budget, while the rest keep serving.
 
 Lifecycle of a dead process (``Supervisor.tick``, called every half second): found dead ->
-restartable? (workers and the gateway hold nothing another process needs; redis and the
-scheduler are not restarted yet, so their death stops the stack) -> within its budget
-(``RestartPolicy.budget`` restarts in ``window_s``)? else the stack stops -> restart due
-after ``RestartPolicy.delay`` (doubling from ``first_delay_s`` up to ``max_delay_s``) ->
-restarted with the same command line. A restarted worker registers again under its worker
-id, which replaces its dead incarnation at the scheduler at once.
+restartable? (else the stack stops; ``pdserve up`` restarts every process) -> within its
+budget (``RestartPolicy.budget`` restarts in ``window_s``)? else the stack stops -> restart
+due after ``RestartPolicy.delay`` (doubling from ``first_delay_s`` up to ``max_delay_s``) ->
+restarted with the same command line, so on the same port. A restarted worker registers
+again under its worker id, which replaces its dead incarnation at the scheduler at once; a
+restarted scheduler reloads the registry from Redis; a restarted Redis reloads its
+append-only file and the scheduler writes its registry and prefix index to it again.
 """
 
 from __future__ import annotations

@@ -14,9 +14,12 @@ also use control cores no worker computes on (``worker_placement``). The control
 (redis, scheduler, gateway) runs on ``--control-cpus``: by default, with ``--pin`` on a
 machine of two or more cores, its first core.
 
-While it runs, a worker or the gateway that dies is restarted (``services.supervisor``:
-backoff, at most 5 restarts of one process a minute) and the rest keep serving; redis or
-the scheduler dying stops the stack. When it stops, KV segments of workers that could not
+While it runs, any process that dies (redis, the scheduler, a worker, the gateway) is
+restarted with the same command line, so on the same port (``services.supervisor``:
+backoff, at most 5 restarts of one process a minute) and the rest keep serving. Redis keeps
+an append-only file in ``<log dir>/redis``, so a restarted Redis has the request records; a
+restarted scheduler reloads the worker registry from Redis and workers it no longer knows
+register again (docs/operations.md). When it stops, KV segments of workers that could not
 remove their own are swept.
 """
 
@@ -85,7 +88,10 @@ class UpConfig:
         parse=cpu_list,
         metavar="CPUS",
     )
-    log_dir: str | None = setting(None, "per-process logs (default: a new temporary directory)")
+    log_dir: str | None = setting(
+        None,
+        "per-process logs and Redis's append-only file (default: a new temporary directory)",
+    )
     echo_logs: bool = setting(False, "copy every process log to stderr")
     smoke: str | None = setting(
         None,
@@ -279,15 +285,9 @@ def smoke(base_url: str, question: str) -> str:
     return "".join(text)
 
 
-# Restarting these is not built yet: the scheduler would have to recover from Redis, and
-# Redis hold what it held. Their death stops the stack.
-NOT_RESTARTED = ("redis", "scheduler")
-
-
 def supervise(stack: Stack, say: Callable[[str], None]) -> Supervisor:
-    """The supervisor ``pdserve up`` runs: workers and the gateway are restarted."""
-    restartable = [p.name for p in stack.procs if p.name not in NOT_RESTARTED]
-    return Supervisor(stack, restartable, RestartPolicy(), say)
+    """The supervisor ``pdserve up`` runs: every process of the stack is restarted."""
+    return Supervisor(stack, [p.name for p in stack.procs], RestartPolicy(), say)
 
 
 def run_up(cfg: UpConfig) -> int:

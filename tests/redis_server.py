@@ -56,6 +56,7 @@ class RedisServer:
     port: int
     process: subprocess.Popen[bytes]
     directory: Path
+    argv: list[str]
 
     @property
     def url(self) -> str:
@@ -92,20 +93,34 @@ class RedisServer:
             argv = [path]
             for name, value in options.items():
                 argv += [f"--{name}", value]
-            process = subprocess.Popen(
-                argv,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            server = cls(host=host, port=port, process=process, directory=directory)
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline and process.poll() is None:
-                if _ping(host, port, timeout_s=0.5):
-                    return server
-                time.sleep(0.02)
+            process = _spawn(argv)
+            server = cls(host=host, port=port, process=process, directory=directory, argv=argv)
+            if server._answers_within(timeout_s):
+                return server
             last_error = server._log_tail()
             server.stop()
         raise RuntimeError(f"redis-server did not answer PING within {timeout_s}s:\n{last_error}")
+
+    def _answers_within(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.process.poll() is None:
+            if _ping(self.host, self.port, timeout_s=0.5):
+                return True
+            time.sleep(0.02)
+        return False
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: it keeps nothing); ``restart`` brings it back."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=5)
+
+    def restart(self, timeout_s: float = 10.0) -> None:
+        """Start a dead server again, empty, on the same port; return once it answers PING."""
+        assert self.process.poll() is not None, "redis-server is still running"
+        self.process = _spawn(self.argv)
+        if not self._answers_within(timeout_s):
+            raise RuntimeError(f"redis-server did not come back on :{self.port}")
 
     def _log_tail(self) -> str:
         try:
@@ -129,6 +144,10 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _spawn(argv: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def redis_server_fixture(scope: Any = "session") -> Callable[..., Iterator[RedisServer]]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,9 +168,14 @@ def installed() -> ClusterAuth:
     return _installed
 
 
-def channel(address: str, auth: ClusterAuth | None = None) -> grpc.aio.Channel:
+def channel(
+    address: str,
+    auth: ClusterAuth | None = None,
+    options: Sequence[tuple[str, Any]] | None = None,
+) -> grpc.aio.Channel:
     """A channel to an internal service at ``address``: every call carries the cluster
-    token, over TLS when a CA is configured. ``auth``: default ``installed()``."""
+    token, over TLS when a CA is configured. ``auth``: default ``installed()``;
+    ``options``: gRPC channel arguments."""
     auth = installed() if auth is None else auth
     interceptors: list[Any] = []
     if auth.token is not None:
@@ -178,8 +183,8 @@ def channel(address: str, auth: ClusterAuth | None = None) -> grpc.aio.Channel:
         interceptors = [_UnaryUnary(md), _UnaryStream(md), _StreamUnary(md), _StreamStream(md)]
     creds = auth.channel_credentials()
     if creds is None:
-        return grpc.aio.insecure_channel(address, interceptors=interceptors)
-    return grpc.aio.secure_channel(address, creds, interceptors=interceptors)
+        return grpc.aio.insecure_channel(address, options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, creds, options, interceptors=interceptors)
 
 
 class TokenCheck(grpc.aio.ServerInterceptor):

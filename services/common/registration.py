@@ -15,6 +15,7 @@ import structlog
 
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common import cluster_auth
+from services.common.reconnect import SCHEDULER_CHANNEL_OPTIONS
 
 log = structlog.get_logger(__name__)
 
@@ -33,7 +34,7 @@ class Registrar:
         self.info = info
         self._load = load
         self.interval_s = interval_s
-        self._channel = cluster_auth.channel(scheduler_address)
+        self._channel = cluster_auth.channel(scheduler_address, options=SCHEDULER_CHANNEL_OPTIONS)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self._seq = 0
         self._registered = False

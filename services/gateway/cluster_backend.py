@@ -29,6 +29,7 @@ from engine.errors import InvalidRequestError, ResourceExhaustedError
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common import cluster_auth
 from services.common.convert import finish_from_proto, sampling_to_proto
+from services.common.reconnect import SCHEDULER_CHANNEL_OPTIONS
 from services.gateway.backend import BackendUnavailableError, GenerateChunk, GenerateInput
 
 log = structlog.get_logger(__name__)
@@ -102,7 +103,9 @@ class ClusterBackend:
 
     def start(self) -> None:
         """Open the scheduler channel; call on the event loop that will use it."""
-        self._sched_channel = cluster_auth.channel(self.scheduler_address)
+        self._sched_channel = cluster_auth.channel(
+            self.scheduler_address, options=SCHEDULER_CHANNEL_OPTIONS
+        )
         self._sched = scheduler_pb2_grpc.SchedulerStub(self._sched_channel)
         self._health = health_pb2_grpc.HealthStub(self._sched_channel)
 

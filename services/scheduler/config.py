@@ -29,6 +29,11 @@ class SchedulerConfig:
     )
     redis_key_prefix: str = setting("pdserve", "prefix of every Redis key the scheduler owns")
     redis_timeout_s: float = setting(2.0, "deadline of each Redis call")
+    redis_probe_s: float = setting(
+        1.0,
+        "how often to check that Redis answers and is the same instance; when it comes back "
+        "or restarted, the registry and prefix index are written to it again",
+    )
     heartbeat_ttl_s: float = setting(
         3.0, "worker lease: a worker is dropped this long after its last heartbeat"
     )
@@ -64,6 +69,7 @@ class SchedulerConfig:
             "store_queue_size",
             "redis_timeout_s",
             "placement_token_ttl_s",
+            "redis_probe_s",
         )
         for name in positive:
             if not getattr(self, name) > 0:

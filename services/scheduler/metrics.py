@@ -46,6 +46,17 @@ class SchedulerMetrics:
             "Redis writes dropped (queue full or retries exhausted) since start",
             registry=r,
         )
+        self.redis_up = Gauge(
+            "pdserve_scheduler_redis_up",
+            "1 while the last Redis probe answered, else 0",
+            registry=r,
+        )
+        self.redis_remirrors = Counter(
+            "pdserve_scheduler_redis_remirrors",
+            "Times the registry and prefix index were written to Redis again (after Redis "
+            "restarted or came back)",
+            registry=r,
+        )
         self.place_seconds = Histogram(
             "pdserve_scheduler_place_seconds",
             "Place RPC latency inside the scheduler",

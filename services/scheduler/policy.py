@@ -5,7 +5,8 @@ its arguments and changes nothing, so it is tested without a loop, Redis or gRPC
 
 Admission, in order (the first failing check decides the rejection):
 
-1. some registered worker serves the model                       else UNKNOWN_MODEL
+1. some registered worker serves the model, or none is          else UNKNOWN_MODEL
+   registered yet (a scheduler restarted cold cannot tell)
 2. a live, SERVING, non-excluded decode-capable worker exists    else NO_LIVE_WORKER
 3. active sequences across those workers < ``max_inflight``      else INFLIGHT_CAP
 4. prompt + max_tokens fits one of them (context and KV pool)    else NEVER_FITS
@@ -184,7 +185,7 @@ def place(snapshot: ClusterSnapshot, req: PlaceRequest) -> Placement | Rejection
         return Rejection(reason, message, limits.retry_after_ms if retry else 0)
 
     serving_model = [w for w in snapshot.workers if req.model in ("", w.info.model)]
-    if not serving_model:
+    if not serving_model and snapshot.workers:
         return reject(RejectReason.UNKNOWN_MODEL, f"no worker serves model {req.model!r}", False)
 
     usable = [

@@ -19,12 +19,16 @@ bad message                INVALID_ARGUMENT
 ``SchedulerServer`` assembles the process: Redis store, state loop, the gRPC server (the
 shell's ``GrpcServer``, served by ``services.common.process.serve``) and the Prometheus
 /metrics endpoint; ``start()`` restores the registry from Redis before the server reports
-SERVING, ``drain()`` refuses new work, ``close()`` flushes and closes once it stopped.
+SERVING (a cold start if Redis does not answer), ``drain()`` refuses new work, ``close()``
+flushes and closes once it stopped. While it runs, ``redis_link.watch`` probes Redis and
+has the state loop write everything again after Redis restarted or came back; placement
+goes on from memory throughout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import NoReturn
 
@@ -34,6 +38,7 @@ import structlog
 
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common import cluster_auth, placement_token, process
+from services.scheduler import redis_link
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.model import (
@@ -377,12 +382,9 @@ class SchedulerServer:
         self.metrics = SchedulerMetrics()
         self._redis: aioredis.Redis | None = None
         self._store: RedisStore | None = None
+        self._watcher: asyncio.Task[None] | None = None
         if config.redis_url:
-            self._redis = aioredis.from_url(
-                config.redis_url,
-                socket_timeout=config.redis_timeout_s,
-                socket_connect_timeout=config.redis_timeout_s,
-            )
+            self._redis = redis_link.connect(config.redis_url, config.redis_timeout_s)
             self._store = RedisStore(
                 self._redis,
                 lease_ttl_ms=int(config.heartbeat_ttl_s * 1000),
@@ -390,6 +392,7 @@ class SchedulerServer:
                 prefix_ttl_s=config.prefix_ttl_s,
                 queue_size=config.store_queue_size,
                 keys=KeySpace(config.redis_key_prefix),
+                call_timeout_s=config.redis_timeout_s,
             )
         sink: RecordSink | None = self._store
         self.state = SchedulerState(config.state_config(), sink=sink, metrics=self.metrics)
@@ -405,7 +408,8 @@ class SchedulerServer:
         )
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.servicer, self.grpc.server)
 
-    async def _restore(self) -> tuple[list[StoredWorker], dict[int, set[str]]]:
+    async def _restore(self) -> tuple[list[StoredWorker], dict[int, set[str]]] | None:
+        """What Redis holds of the registry and prefix index; None when it does not answer."""
         if self._store is None:
             return [], {}
         try:
@@ -416,16 +420,31 @@ class SchedulerServer:
             # Workers re-register when their heartbeat answers NOT_FOUND: a cold start is
             # slower, not wrong.
             log.warning("registry_restore_failed", error=str(exc))
-            return [], {}
+            return None
         return workers, index
 
     async def start(self) -> None:
-        """Restore from Redis, start the state loop and /metrics (gRPC: ``grpc``)."""
-        workers, index = await self._restore()
+        """Restore from Redis, start the state loop, the Redis writer and probe, and
+        /metrics (gRPC: ``grpc``)."""
+        restored = await self._restore()
+        workers, index = restored if restored is not None else ([], {})
         self.state.restore(workers, index)
         self.state.start()
-        if self._store is not None:
+        if self._store is not None and self._redis is not None:
             self._store.start()
+            # Restored: Redis holds what memory holds. Not: write it all once Redis answers.
+            link = redis_link.Link(up=restored is not None)
+            self._watcher = asyncio.create_task(
+                redis_link.watch(
+                    self._redis,
+                    link,
+                    interval_s=self.config.redis_probe_s,
+                    timeout_s=self.config.redis_timeout_s,
+                    remirror=self.state.request_mirror,
+                    on_change=lambda seen: self.metrics.redis_up.set(int(seen.up)),
+                ),
+                name="scheduler-redis-probe",
+            )
         store = self._store
         self.metrics.watch(
             queue_depth=lambda: self.state.queue_depth,
@@ -450,6 +469,10 @@ class SchedulerServer:
 
     async def close(self) -> None:
         """After the gRPC server stopped: stop the state loop, flush Redis writes, close."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
         await self.state.stop()
         if self._store is not None:
             await self._store.close(timeout_s=self.config.redis_timeout_s)

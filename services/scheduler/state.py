@@ -12,6 +12,9 @@ recent placements (``Place`` is idempotent per request id and attempt).
 
 A ticker enqueues ``ExpireTick`` every ``tick_s``: workers whose last heartbeat is older than
 the lease are dropped (placement already ignores them from the moment the lease lapses).
+
+Redis only mirrors this state: when it may have lost it (restarted, or back after an outage),
+``request_mirror`` queues ``Mirror``, which writes every worker key and prefix set again.
 """
 
 from __future__ import annotations
@@ -97,7 +100,12 @@ class Inspect:
     """Read-only: a copy of the current snapshot (tests, debugging)."""
 
 
-Command = Register | Heartbeat | Deregister | Place | ReportOutcome | ExpireTick | Inspect
+@dataclass(frozen=True)
+class Mirror:
+    """Write the whole registry and prefix index to the sink again (Redis lost them)."""
+
+
+Command = Register | Heartbeat | Deregister | Place | ReportOutcome | ExpireTick | Inspect | Mirror
 
 
 @dataclass
@@ -283,6 +291,17 @@ class SchedulerState:
         """A copy of the state as placement would see it now."""
         return await self.submit(Inspect())
 
+    def request_mirror(self) -> bool:
+        """Queue a ``Mirror`` without waiting for it; False when the loop is not running or
+        its queue is full (ask again later)."""
+        if not self._running:
+            return False
+        try:
+            self._queue.put_nowait((Mirror(), None))
+        except asyncio.QueueFull:
+            return False
+        return True
+
     # ---- the loop ----
 
     async def _run(self) -> None:
@@ -327,6 +346,8 @@ class SchedulerState:
                 return self._expire()
             case Inspect():
                 return self._snapshot(copy_index=True)
+            case Mirror():
+                return self._mirror()
         raise TypeError(f"unknown command {command!r}")
 
     # ---- handlers (synchronous: each runs to completion without yielding) ----
@@ -466,6 +487,16 @@ class SchedulerState:
                 break
             self._memo.popitem(last=False)
         return dead
+
+    def _mirror(self) -> int:
+        for worker in self._workers.values():
+            info = worker.info
+            self._sink.put_worker(info, worker.state, worker.load, worker.registered_unix_ns)
+            self._sink.update_prefixes(info.worker_id, set(worker.cached), ())
+        log.info("redis_remirrored", workers=len(self._workers), prefixes=len(self._index))
+        if self._metrics:
+            self._metrics.redis_remirrors.inc()
+        return len(self._workers)
 
     def _remove(self, worker_id: str, *, reason: str, delete_key: bool = True) -> None:
         worker = self._workers.pop(worker_id, None)

@@ -8,10 +8,13 @@ Keys (``{p}`` is the key prefix, ``pdserve`` by default; docs/redis.md has the f
 
 Writes are fire-and-forget: the state loop calls the non-blocking ``put_*``/``record_*``
 methods, which only append an operation to a bounded queue; one writer task (``start``,
-``close``) drains it in
-pipelined batches with bounded retries. Placement therefore never waits on Redis. When the
-queue is full or Redis keeps failing, the operation is dropped and counted (``dropped``): a
-lost record costs observability or a slower warm restart, never a wrong placement.
+``close``) drains it in pipelined batches, each call under a deadline. Placement therefore
+never waits on Redis. A batch Redis refuses is retried a few times, then dropped; a batch
+that does not reach Redis (down, restarting) is retried every second until it does, so a
+short outage loses nothing while the queue holds (``retry_delay``). When the queue is full
+the operation is dropped and counted (``dropped``): a lost record costs observability or a
+slower warm restart, never a wrong placement. What Redis lost in a restart the state loop
+writes again (``redis_link``: re-mirror).
 
 Reads happen once, at start-up (``load_workers``, ``load_prefix_index``), before the
 scheduler serves.
@@ -42,6 +45,7 @@ from services.scheduler.model import (
     WorkerLoad,
     WorkerState,
 )
+from services.scheduler.redis_link import UNREACHABLE
 
 log = structlog.get_logger(__name__)
 
@@ -49,6 +53,7 @@ WriteOp = Callable[[Pipeline], None]
 
 _BATCH_MAX_OPS = 256
 _RETRY_BACKOFF_S = (0.05, 0.2, 0.5)
+_UNREACHABLE_BACKOFF_S = 1.0
 _SCAN_COUNT = 1000
 
 _STATUS_OF = {
@@ -152,6 +157,20 @@ def worker_info_from_json(text: str) -> WorkerInfo:
     return WorkerInfo(**data)
 
 
+def retry_delay(attempt: int, *, unreachable: bool) -> float | None:
+    """Seconds before the ``attempt``-th retry of a failed batch (0: the first), or None: drop
+    it. A batch Redis refused gets a few retries; one that did not reach Redis waits for it.
+
+    >>> [retry_delay(a, unreachable=False) for a in range(4)]
+    [0.05, 0.2, 0.5, None]
+    >>> retry_delay(100, unreachable=True)
+    1.0
+    """
+    if attempt < len(_RETRY_BACKOFF_S):
+        return _RETRY_BACKOFF_S[attempt]
+    return _UNREACHABLE_BACKOFF_S if unreachable else None
+
+
 def _load_to_json(load: WorkerLoad) -> str:
     return json.dumps(dataclasses.asdict(load), separators=(",", ":"), sort_keys=True)
 
@@ -172,8 +191,10 @@ class RedisStore:
         prefix_ttl_s: float,
         queue_size: int = 4096,
         keys: KeySpace | None = None,
+        call_timeout_s: float = 2.0,
     ) -> None:
         self._client = client
+        self._call_timeout_s = call_timeout_s
         self._lease_ttl_ms = lease_ttl_ms
         self._request_ttl_ms = int(request_ttl_s * 1000)
         self._prefix_ttl_ms = int(prefix_ttl_s * 1000)
@@ -338,25 +359,34 @@ class RedisStore:
             self._busy = True
             try:
                 await self._write_batch(batch)
+            except asyncio.CancelledError:
+                self.dropped += len(batch)
+                raise
             finally:
                 self._busy = False
 
     async def _write_batch(self, batch: list[WriteOp]) -> None:
-        for attempt, backoff in enumerate((*_RETRY_BACKOFF_S, None)):
+        attempt = 0
+        while True:
             try:
                 pipe = self._client.pipeline(transaction=False)
                 for op in batch:
                     op(pipe)
-                await pipe.execute()
+                async with asyncio.timeout(self._call_timeout_s):
+                    await pipe.execute()
                 self.written += len(batch)
                 return
-            except (aioredis.RedisError, OSError) as exc:
-                if backoff is None:
+            except (*UNREACHABLE, aioredis.RedisError) as exc:
+                delay = retry_delay(attempt, unreachable=isinstance(exc, UNREACHABLE))
+                if delay is None:
                     self.dropped += len(batch)
                     log.warning("redis_write_dropped", ops=len(batch), error=str(exc))
                     return
-                log.info("redis_write_retry", attempt=attempt + 1, error=str(exc))
-                await asyncio.sleep(backoff)
+                if attempt == len(_RETRY_BACKOFF_S):
+                    log.warning("redis_unreachable_holding_writes", ops=len(batch))
+                log.debug("redis_write_retry", attempt=attempt + 1, error=str(exc))
+                attempt += 1
+                await asyncio.sleep(delay)
 
     # ---- start-up reads ----
 

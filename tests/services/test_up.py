@@ -108,13 +108,37 @@ def test_smoke_takes_an_optional_question() -> None:
     assert UpConfig(colocated=True, prefill=0).colocated
 
 
-def test_pdserve_up_restarts_workers_and_the_gateway_but_not_redis_or_the_scheduler(
-    tmp_path,
-) -> None:
+def test_pdserve_up_restarts_every_process_redis_and_the_scheduler_too(tmp_path) -> None:
     from services.launcher import Proc, Stack
     from services.up import supervise
 
     stack = Stack(log_dir=tmp_path)
     for name in ("redis", "scheduler", "prefill-0", "decode-0", "decode-1", "gateway"):
         stack.procs.append(Proc(name, ["true"]))  # listed, never started
-    assert supervise(stack, print).restartable == {"prefill-0", "decode-0", "decode-1", "gateway"}
+    assert supervise(stack, print).restartable == {
+        "redis", "scheduler", "prefill-0", "decode-0", "decode-1", "gateway"
+    }  # fmt: skip
+
+
+def test_pdserve_up_redis_keeps_what_it_was_told_across_a_kill_9(tmp_path) -> None:
+    import redis
+
+    from services.launcher import Stack, free_port, redis_proc
+
+    port = free_port()
+    stack = Stack(log_dir=tmp_path)
+    proc = stack.start(redis_proc(port, tmp_path), ready_line="Ready to accept connections")
+    try:
+        stack.wait_ready([proc], timeout=10)
+        client = redis.Redis(port=port, socket_timeout=2)
+        client.hset("pdserve:request:r1", mapping={"status": "placed"})
+        assert proc.popen is not None
+        proc.popen.kill()
+        proc.popen.wait(5)
+        stack.restart(proc)  # what the supervisor does: same command line, same port
+        stack.wait_ready([proc], timeout=10)
+        assert client.hget("pdserve:request:r1", "status") == b"placed"
+        assert (tmp_path / "redis").is_dir()
+        client.close()
+    finally:
+        stack.stop()

@@ -183,6 +183,8 @@ def test_unknown_model_and_model_matching() -> None:
     d1 = view("d1", model="llama")
     d2 = view("d2", model="smol", running=3)
     assert _rejected(place(snapshot(d1), request(model="gpt"))).reason is RejectReason.UNKNOWN_MODEL
+    # No worker at all (a scheduler restarted cold): not known yet, so not unknown either.
+    assert _rejected(place(snapshot(), request(model="gpt"))).reason is RejectReason.NO_LIVE_WORKER
     assert _placed(place(snapshot(d1, d2), request(model="smol"))).decode.worker_id == "d2"
     assert _placed(place(snapshot(d1, d2), request(model=""))).decode.worker_id == "d1"
 

@@ -7,13 +7,8 @@ process (RegisterWorker/Heartbeat over gRPC, a real client of the real server).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import re
 import signal
 import time
-import urllib.request
-import uuid
-from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
@@ -22,161 +17,31 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.redis_server import RedisServer, free_port
+from tests.services.scheduler.harness import (
+    TTL_S,
+    FakeWorker,
+    metric,
+    open_channel,
+    place_request,
+    running,
+    scheduler_flags,
+)
 from tests.services.scheduler.processes import Process, start_scheduler, start_worker
 
-TTL_S = 1.0
 HASHES = (101, 202, 303)  # the prompt's chained block hashes (16-token blocks)
-
-
-class FakeWorker:
-    """A worker played in-process: registers, then heartbeats until stopped."""
-
-    def __init__(
-        self, stub: scheduler_pb2_grpc.SchedulerStub, worker_id: str, role: int, **load: int
-    ) -> None:
-        self.stub = stub
-        self.worker_id = worker_id
-        self.info = common_pb2.WorkerInfo(
-            worker_id=worker_id,
-            role=role,
-            grpc_address="127.0.0.1:1",
-            transports=["tcp"],
-            model="m",
-            host_id="test-host",
-            capacity=common_pb2.WorkerCapacity(
-                total_kv_blocks=1000,
-                block_size=16,
-                max_num_seqs=64,
-                max_model_len=8192,
-                max_num_batched_tokens=2048,
-            ),
-        )
-        self.load = scheduler_pb2.LoadSnapshot(free_kv_blocks=1000, total_kv_blocks=1000, **load)
-        self.cached: list[int] = []
-        self.sequence = 0
-        self.snapshot = True
-        self.interval_s = 0.1
-        self.resyncs = 0
-        self.task: asyncio.Task[None] | None = None
-
-    async def register(self) -> None:
-        reply = await self.stub.RegisterWorker(
-            scheduler_pb2.RegisterWorkerRequest(worker=self.info), timeout=5
-        )
-        assert reply.lease_ttl_ms == int(TTL_S * 1000)
-        assert 0 < reply.heartbeat_interval_ms < reply.lease_ttl_ms
-        self.interval_s = reply.heartbeat_interval_ms / 1000
-        self.sequence = 0
-        self.snapshot = True
-
-    async def beat(self) -> scheduler_pb2.HeartbeatReply:
-        reply = await self.stub.Heartbeat(
-            scheduler_pb2.HeartbeatRequest(
-                worker_id=self.worker_id,
-                state=scheduler_pb2.WORKER_STATE_SERVING,
-                sequence=self.sequence,
-                load=self.load,
-                cached_block_hashes_added=self.cached if self.snapshot else [],
-                cache_snapshot=self.snapshot,
-            ),
-            timeout=2,
-        )
-        self.sequence += 1
-        self.snapshot = reply.resync_cache
-        self.resyncs += reply.resync_cache
-        return reply
-
-    def start(self) -> None:
-        async def loop() -> None:
-            while True:
-                with contextlib.suppress(grpc.aio.AioRpcError):
-                    await self.beat()
-                await asyncio.sleep(self.interval_s)
-
-        self.task = asyncio.create_task(loop())
-
-    async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
-
-
-def _scheduler_flags(redis_url: str, prefix: str, metrics_port: int, ttl_s: float) -> list[str]:
-    return [
-        "--grpc-host", "127.0.0.1",
-        "--grpc-port", "0",
-        "--metrics-host", "127.0.0.1",
-        "--metrics-port", str(metrics_port),
-        "--redis-url", redis_url,
-        "--redis-key-prefix", prefix,
-        "--heartbeat-ttl-s", str(ttl_s),
-        "--drain-timeout-s", "2",
-    ]  # fmt: skip
-
-
-@contextlib.contextmanager
-def _running(*procs: Process) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-            p.log_path.unlink(missing_ok=True)
-
-
-def _metric(port: int, name: str, labels: str = "") -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
-        text = resp.read().decode()
-    pattern = re.escape(name + (f"{{{labels}}}" if labels else "")) + r" ([0-9.e+-]+)"
-    match = re.search(pattern, text)
-    assert match, f"{name}{{{labels}}} not in /metrics"
-    return float(match.group(1))
-
-
-def _place_request(request_id: str, hashes: tuple[int, ...] = ()) -> scheduler_pb2.PlaceRequest:
-    return scheduler_pb2.PlaceRequest(
-        request_id=request_id,
-        model="m",
-        prompt_tokens=64,
-        max_tokens=64,
-        prompt_block_hashes=hashes,
-        hash_block_size=16,
-    )
-
-
-@pytest.fixture
-def prefix() -> str:
-    return f"test-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def sync_redis(redis_server: RedisServer) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
-    yield client
-    client.close()
-
-
-@contextlib.asynccontextmanager
-async def _channel(address: str) -> AsyncIterator[grpc.aio.Channel]:
-    channel = grpc.aio.insecure_channel(address)
-    try:
-        yield channel
-    finally:
-        await channel.close()
 
 
 async def test_killed_workers_are_dropped_within_the_lease(
     redis_server: RedisServer, sync_redis: redis.Redis, prefix: str
 ) -> None:
     metrics_port = free_port()
-    scheduler = start_scheduler(*_scheduler_flags(redis_server.url, prefix, metrics_port, TTL_S))
-    with _running(scheduler):
+    scheduler = start_scheduler(*scheduler_flags(redis_server.url, prefix, metrics_port, TTL_S))
+    with running(scheduler):
         # Victims are real processes; p1 caches the prompt's prefix, so it wins while alive.
         d1 = start_worker(scheduler.address, "d1", "decode")
         p1 = start_worker(scheduler.address, "p1", "prefill", cached=HASHES)
-        with _running(d1, p1):
-            async with _channel(scheduler.address) as channel:
+        with running(d1, p1):
+            async with open_channel(scheduler.address) as channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)
                 health = health_pb2_grpc.HealthStub(channel)
                 check = await health.Check(health_pb2.HealthCheckRequest(), timeout=2)
@@ -211,13 +76,13 @@ async def _check_placements_and_kill(
     p1: Process,
     d2: FakeWorker,
 ) -> None:
-    assert _metric(metrics_port, "pdserve_scheduler_workers", 'role="decode"') == 2
-    assert _metric(metrics_port, "pdserve_scheduler_workers", 'role="prefill"') == 2
+    assert metric(metrics_port, "pdserve_scheduler_workers", 'role="decode"') == 2
+    assert metric(metrics_port, "pdserve_scheduler_workers", 'role="prefill"') == 2
 
     # Both decode workers take placements; the prefix-holding p1 gets the prefill.
     decodes: set[str] = set()
     for i in range(6):
-        placement = await stub.Place(_place_request(f"before-{i}", HASHES), timeout=2)
+        placement = await stub.Place(place_request(f"before-{i}", HASHES), timeout=2)
         decodes.add(placement.decode.worker_id)
         assert placement.prefill.worker_id == "p1"
         assert placement.expected_cached_tokens == 48
@@ -248,8 +113,8 @@ async def _check_placements_and_kill(
     p1.kill()
     dropped_after = None
     while time.monotonic() - killed_at < 3 * TTL_S:
-        decode = _metric(metrics_port, "pdserve_scheduler_workers", 'role="decode"')
-        prefill = _metric(metrics_port, "pdserve_scheduler_workers", 'role="prefill"')
+        decode = metric(metrics_port, "pdserve_scheduler_workers", 'role="decode"')
+        prefill = metric(metrics_port, "pdserve_scheduler_workers", 'role="prefill"')
         if decode == 1 and prefill == 1:
             dropped_after = time.monotonic() - killed_at
             break
@@ -260,7 +125,7 @@ async def _check_placements_and_kill(
     assert dropped_after <= TTL_S + 0.5, dropped_after
 
     for i in range(8):
-        placement = await stub.Place(_place_request(f"after-{i}", HASHES), timeout=2)
+        placement = await stub.Place(place_request(f"after-{i}", HASHES), timeout=2)
         assert placement.decode.worker_id == "d2"
         assert placement.prefill.worker_id == "p2"
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -271,7 +136,7 @@ async def _check_placements_and_kill(
             timeout=2,
         )
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
-    assert _metric(metrics_port, "pdserve_scheduler_expired_workers_total") == 2
+    assert metric(metrics_port, "pdserve_scheduler_expired_workers_total") == 2
 
     await asyncio.sleep(0.2)
     assert not r.exists(f"{prefix}:worker:d1") and not r.exists(f"{prefix}:worker:p1")
@@ -292,7 +157,7 @@ async def _check_placements_and_kill(
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     retry_after = dict(err.value.trailing_metadata() or ())["retry-after-ms"]
     assert 0 < int(retry_after) <= TTL_S * 1000
-    assert _metric(metrics_port, "pdserve_scheduler_rejections_total", 'reason="capacity"') == 1
+    assert metric(metrics_port, "pdserve_scheduler_rejections_total", 'reason="capacity"') == 1
     # Contract violations are INVALID_ARGUMENT, never a crash.
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.Place(scheduler_pb2.PlaceRequest(request_id="x", max_tokens=1), timeout=2)
@@ -309,10 +174,10 @@ async def test_sigterm_drains_and_a_restart_rebuilds_the_registry_from_redis(
     redis_server: RedisServer, sync_redis: redis.Redis, prefix: str
 ) -> None:
     ttl_s = 5.0  # long enough that the leases outlive the restart
-    flags = _scheduler_flags(redis_server.url, prefix, 0, ttl_s)
+    flags = scheduler_flags(redis_server.url, prefix, 0, ttl_s)
     first = start_scheduler(*flags)
-    with _running(first):
-        async with _channel(first.address) as channel:
+    with running(first):
+        async with open_channel(first.address) as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
             decode = FakeWorker(stub, "d1", common_pb2.WORKER_ROLE_DECODE)
             prefill = FakeWorker(stub, "p1", common_pb2.WORKER_ROLE_PREFILL)
@@ -323,7 +188,7 @@ async def test_sigterm_drains_and_a_restart_rebuilds_the_registry_from_redis(
                 )
                 assert reply.lease_ttl_ms == int(ttl_s * 1000)
                 await w.beat()
-            placement = await stub.Place(_place_request("r1", HASHES), timeout=2)
+            placement = await stub.Place(place_request("r1", HASHES), timeout=2)
             assert placement.expected_cached_tokens == 32
 
             # SIGTERM: the health service says NOT_SERVING before the server goes away.
@@ -343,12 +208,12 @@ async def test_sigterm_drains_and_a_restart_rebuilds_the_registry_from_redis(
         # The workers are silent now; their Redis keys still hold what is left of the lease.
         assert 0 < sync_redis.pttl(f"{prefix}:worker:d1") <= ttl_s * 1000
         second = start_scheduler(*flags)
-        with _running(second):
-            async with _channel(second.address) as channel:
+        with running(second):
+            async with open_channel(second.address) as channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)
                 # No re-registration and no heartbeat yet: the registry and the prefix index
                 # came back from Redis.
-                placement = await stub.Place(_place_request("r2", HASHES), timeout=2)
+                placement = await stub.Place(place_request("r2", HASHES), timeout=2)
                 assert placement.decode.worker_id == "d1"
                 assert placement.prefill.worker_id == "p1"
                 assert placement.expected_cached_tokens == 32

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import pytest
 
@@ -17,6 +17,7 @@ from services.scheduler.model import (
     Rejection,
     RejectReason,
     Role,
+    WorkerInfo,
     WorkerLoad,
     WorkerState,
 )
@@ -28,7 +29,7 @@ from services.scheduler.state import (
     StateConfig,
     UnknownWorker,
 )
-from services.scheduler.store import StoredWorker
+from services.scheduler.store import NullSink, StoredWorker
 from tests.services.scheduler.builders import BLOCK, info, request
 
 TTL_S = 0.5
@@ -292,3 +293,49 @@ async def test_capacity_rejection_carries_a_retry_hint(state: SchedulerState) ->
     rejection = await state.place(request(prompt=100, max_tokens=100))
     assert isinstance(rejection, Rejection)
     assert rejection.reason is RejectReason.CAPACITY and rejection.retry_after_ms > 0
+
+
+class _RecordingSink(NullSink):
+    """Remembers which workers and prefix sets were written."""
+
+    def __init__(self) -> None:
+        self.workers: list[str] = []
+        self.prefixes: dict[str, set[int]] = {}
+
+    def put_worker(
+        self, info: WorkerInfo, state: WorkerState, load: WorkerLoad, registered_unix_ns: int
+    ) -> None:
+        self.workers.append(info.worker_id)
+
+    def update_prefixes(self, worker_id: str, added: Iterable[int], removed: Iterable[int]) -> None:
+        self.prefixes.setdefault(worker_id, set()).update(added)
+
+
+async def test_mirror_writes_every_worker_and_prefix_set_again() -> None:
+    sink = _RecordingSink()
+    s = SchedulerState(_config(), sink=sink)
+    s.start()
+    try:
+        await _join(s, "d1", Role.DECODE)
+        await s.register(info("p1", Role.PREFILL))
+        await s.heartbeat(_beat("p1", 0, added=(1, 2), snapshot=True))
+        await s.heartbeat(_beat("p1", 1, removed=(1,)))
+        sink.workers.clear()
+        sink.prefixes.clear()
+        assert s.request_mirror()
+        await s.inspect()  # queued behind the mirror: it has run
+        assert sorted(sink.workers) == ["d1", "p1"]
+        assert sink.prefixes == {"d1": set(), "p1": {2}}
+    finally:
+        await s.stop()
+    assert not s.request_mirror()  # no loop: the caller asks again later
+
+
+async def test_a_mirror_that_does_not_fit_the_queue_is_refused_at_once() -> None:
+    s = SchedulerState(_config(queue_size=1, tick_s=60))
+    s.start()
+    try:
+        assert s.request_mirror()
+        assert not s.request_mirror()
+    finally:
+        await s.stop()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -17,6 +19,7 @@ from services.scheduler.model import (
     WorkerLoad,
     WorkerState,
 )
+from services.scheduler.redis_link import connect
 from services.scheduler.store import (
     KeySpace,
     RedisStore,
@@ -44,6 +47,18 @@ def _store(client: aioredis.Redis, queue_size: int = 100) -> RedisStore:
         prefix_ttl_s=600,
         queue_size=queue_size,
         keys=KeySpace(f"t{uuid.uuid4().hex[:8]}"),
+    )
+
+
+def _placement(request_id: str) -> Placement:
+    return Placement(
+        request_id=request_id,
+        attempt=0,
+        decode=info("d1", Role.DECODE),
+        prefill=info("p1", Role.PREFILL),
+        mode=PrefillMode.DISAGGREGATED,
+        expected_cached_tokens=32,
+        decode_kv_blocks=8,
     )
 
 
@@ -93,16 +108,7 @@ async def test_request_record_has_placement_then_outcome(client: aioredis.Redis)
     store = _store(client)
     store.start()
     req = request("req-1", prompt=100, max_tokens=20)
-    placement = Placement(
-        request_id="req-1",
-        attempt=0,
-        decode=info("d1", Role.DECODE),
-        prefill=info("p1", Role.PREFILL),
-        mode=PrefillMode.DISAGGREGATED,
-        expected_cached_tokens=32,
-        decode_kv_blocks=8,
-    )
-    store.record_placement(req, placement)
+    store.record_placement(req, _placement("req-1"))
     assert await store.close(timeout_s=5)
     key = store.keys.request("req-1")
     record = await client.hgetall(key)
@@ -129,13 +135,55 @@ async def test_request_record_has_placement_then_outcome(client: aioredis.Redis)
 
 
 async def test_writes_are_bounded_and_never_raise_when_redis_is_down() -> None:
-    dead = aioredis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.2)
+    dead = connect(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.2)
     store = _store(dead, queue_size=2)
     for i in range(5):  # queue holds 2: 3 are dropped at once, without blocking
         store.update_prefixes(f"w{i}", added=[i], removed=[])
     assert store.dropped == 3 and store.pending == 2
     store.start()
-    drained = await store.close(timeout_s=5)  # every retry fails: the batch is dropped
-    assert drained
+    started = time.monotonic()
+    drained = await store.close(timeout_s=1)  # Redis never answers: the writes are held
+    assert not drained and time.monotonic() - started < 1.5
     assert store.dropped == 5 and store.written == 0
     await dead.aclose()
+
+
+async def test_writes_made_while_redis_is_down_are_written_once_it_is_back() -> None:
+    with RedisServer.start() as server:
+        client = connect(server.url, timeout_s=0.5)
+        store = _store(client)
+        store.start()
+        store.update_prefixes("p1", added=[1], removed=[])
+        while store.written < 1:
+            await asyncio.sleep(0.01)
+        server.kill()
+        store.record_placement(request("r-down"), _placement("r-down"))
+        store.update_prefixes("p1", added=[2], removed=[1])
+        # Longer than the retries given to a batch Redis refuses: these are held, not dropped.
+        await asyncio.sleep(1.5)
+        assert store.written == 1 and store.dropped == 0
+        server.restart()  # empty: what it held before is gone
+        assert await store.close(timeout_s=5)
+        check = aioredis.from_url(server.url, decode_responses=True)
+        assert await check.hget(store.keys.request("r-down"), "status") == "placed"
+        assert await check.smembers(store.keys.block(2)) == {"p1"}
+        assert store.dropped == 0
+        await check.aclose()
+        await client.aclose()
+
+
+async def test_a_batch_redis_refuses_is_dropped_after_a_few_retries(
+    client: aioredis.Redis,
+) -> None:
+    store = _store(client)
+    await client.set(store.keys.block(9), "not a set")
+    store.start()
+    store.update_prefixes("p1", added=[9], removed=[])  # SADD on a string: WRONGTYPE
+    started = time.monotonic()
+    while store.dropped == 0:
+        assert time.monotonic() - started < 3, "a refused batch was retried for ever"
+        await asyncio.sleep(0.02)
+    store.update_prefixes("p1", added=[10], removed=[])  # the writer goes on
+    assert await store.close(timeout_s=5)
+    assert store.dropped == 1 and store.written == 1
+    assert await client.smembers(store.keys.block(10)) == {"p1"}
