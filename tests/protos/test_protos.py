@@ -432,6 +432,7 @@ SAMPLES: dict[str, Message] = {
             kv_destination=worker_pb2.KVDestination(
                 region=_REGION, block_ids=[7], num_present_tokens=0
             ),
+            resume_token_ids=[5, 6],
         ),
         worker_pb2.PrefillReply(
             request_id="req-1",
