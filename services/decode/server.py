@@ -86,6 +86,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.kv_bytes_received = 0
         if region is not None:  # export the series at 0 before the first transfer
             metrics.TRANSFER_BYTES.labels(role, region.transport)
+            for how in ("confirmed", "lease"):
+                metrics.KV_FENCES.labels(role, how)
 
     def _prefill_stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
         ch = self._channels.get(address)
