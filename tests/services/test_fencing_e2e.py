@@ -72,9 +72,7 @@ def _request(rid: str, ids: list[int], prefill: str = "", max_tokens: int = TOKE
     return worker_pb2.DecodeGenerateRequest(
         request_id=rid,
         prompt_token_ids=ids,
-        sampling=common_pb2.SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, ignore_eos=True
-        ),
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
         prefill_address=prefill,
     )
 
