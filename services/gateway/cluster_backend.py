@@ -11,12 +11,15 @@ kin) or its prefill failed (the decode worker names the prefill worker in the tr
 metadata), the request is placed again without the worker at fault and the new decode
 worker is sent ``resume_token_ids`` = the tokens the client already has; it continues after
 them, so the client sees one stream, no token twice or missing. At most ``max_migrations``
-times a request; then the stream ends with the last error.
+times a request; then the stream ends with the last error. A migrating request was admitted
+already, so when no worker has room for it (a 429: its old KV blocks may be held by a lease
+for a while) it waits, with backoff, up to ``MIGRATION_ROOM_WAIT_S``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -35,6 +38,9 @@ from services.gateway.backend import BackendUnavailableError, GenerateChunk, Gen
 log = structlog.get_logger(__name__)
 
 PLACE_TIMEOUT_S = 5.0
+# A migrating request was admitted already: when no worker has room for it now (its old
+# blocks may be held by a KV lease for a while), it waits this long for room, not a 429.
+MIGRATION_ROOM_WAIT_S = 60.0
 HASH_BLOCK_SIZE = 16
 FAILED_WORKER_KEY = "pdserve-failed-worker-id"  # set by a decode worker whose prefill failed
 # A broken stream's status: the worker is gone or failing, not the request at fault.
@@ -49,6 +55,22 @@ _BROKEN = frozenset(
 )
 # A prefill's failure that another prefill worker may not repeat.
 _REFUSED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE})
+
+
+class _RoomWait:
+    """Backoff for a migrating request that finds no room (429) until ``total_s`` passed."""
+
+    def __init__(self, total_s: float) -> None:
+        self.give_up = time.monotonic() + total_s
+        self.delay = 0.1
+
+    async def wait(self) -> bool:
+        """Sleep the next backoff step; False (no sleep) once the time is up."""
+        if time.monotonic() + self.delay > self.give_up:
+            return False
+        await asyncio.sleep(self.delay)
+        self.delay = min(2 * self.delay, 2.0)
+        return True
 
 
 class _Broken(Exception):
@@ -157,31 +179,38 @@ class ClusterBackend:
         arrival_ns = time.time_ns()
         received: list[int] = []  # token ids the client has, over every attempt
         exclude: list[str] = []
-        for attempt in range(self.max_migrations + 1):
-            placement = await self._place(req, attempt, exclude)
+        migrations = 0
+        room: _RoomWait | None = None  # set once migrating: waits for room instead of a 429
+        for attempt in itertools.count():  # Place is idempotent per (request, attempt)
             try:
+                placement = await self._place(req, attempt, exclude)
                 async for chunk in self._attempt(req, placement, attempt, received, arrival_ns):
                     received.extend(chunk.token_ids)
                     yield chunk
                 return
+            except ResourceExhaustedError:
+                if room is None or not await room.wait():
+                    raise
             except _Broken as b:
-                last = b
                 exclude.append(b.worker_id)
-                if attempt < self.max_migrations:
-                    self.on_migration(b.cause)
-                    log.warning(
-                        "request_migrating",
-                        request_id=req.request_id,
-                        cause=b.cause,
-                        failed_worker_id=b.worker_id,
-                        code=b.error.code().name,
-                        tokens_received=len(received),
-                        attempt=attempt + 1,
-                    )
-        raise BackendUnavailableError(
-            f"gave up after {self.max_migrations} migrations; last: {last.cause} on worker "
-            f"{last.worker_id}: {last.error.code().name}: {last.error.details()}"
-        ) from last.error
+                if migrations == self.max_migrations:
+                    raise BackendUnavailableError(
+                        f"gave up after {migrations} migrations; last: {b.cause} on worker "
+                        f"{b.worker_id}: {b.error.code().name}: {b.error.details()}"
+                    ) from b.error
+                migrations += 1
+                room = _RoomWait(MIGRATION_ROOM_WAIT_S)
+                self.on_migration(b.cause)
+                log.warning(
+                    "request_migrating",
+                    request_id=req.request_id,
+                    cause=b.cause,
+                    failed_worker_id=b.worker_id,
+                    code=b.error.code().name,
+                    tokens_received=len(received),
+                    migration=migrations,
+                )
+        raise AssertionError("unreachable")
 
     async def _attempt(
         self,

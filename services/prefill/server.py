@@ -64,6 +64,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         # Engine keys are per call: a request placed again (a migration, a retry) may reach
         # this worker while its earlier attempt's blocks are still held for a transfer.
         self._calls = itertools.count()
+        metrics.QUEUE_TIME.labels(ROLE)  # exported from the start, as the series below
         for name in transports:  # export the series at 0 before the first transfer
             metrics.TRANSFER_BYTES.labels(ROLE, name)
 

@@ -53,7 +53,11 @@ def stack(tmp_path_factory):
          "--heartbeat-ttl-s", "2", "--pin", "--control-cpus", "0",
          "--kv-tcp-congestion", "reno"], {}
     )  # fmt: skip
-    st = Stack(log_dir=tmp_path_factory.mktemp("stack"))
+    # A short prefill deadline: the KV lease of a killed prefill worker's requests is short.
+    st = Stack(
+        log_dir=tmp_path_factory.mktemp("stack"),
+        env={"PDSERVE_DECODE_PREFILL_DEADLINE_S": "10"},
+    )
     try:
         endpoints = launch(args, st)
         yield st, endpoints
@@ -352,6 +356,47 @@ async def test_killed_decode_worker_streams_migrate_with_identical_greedy_text(
     # survivors serve new requests too (the victim stays dead until the next test)
     results = await asyncio.gather(*(_chat(client, model, q) for q in QUESTIONS[:4]))
     assert [t for t, _ in results] == [expected[q] for q in QUESTIONS[:4]]
+
+
+LONG_PROMPTS = [f"Summarize this, part {i}: " + "the tide comes in and goes out. " * 90
+                for i in range(4)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def expected_long_prompts(make_engine, default_tokenizer) -> dict[str, str]:
+    tok = default_tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+               for q in LONG_PROMPTS]  # fmt: skip
+    res = make_engine().generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    return {q: r.text for q, r in zip(LONG_PROMPTS, res, strict=True)}
+
+
+async def test_killed_prefill_worker_mid_transfer_its_requests_complete(
+    stack, expected_long_prompts
+) -> None:
+    """kill -9 of a prefill worker while it computes and writes long prompts: the decode
+    workers' Prefill calls fail, name the prefill worker, and the gateway places those
+    requests again on the other one: every request completes with the greedy text."""
+    st, endpoints = stack
+    client = _client(endpoints)
+    model = await _model(client)
+    victim = st.named("prefill-1")
+    metrics_url = endpoints["metrics:prefill-1"]
+    started = _metric(metrics_url, "pdserve:request_queue_time_seconds_count")
+    before = _gateway_metric(endpoints, "pdserve:migrations_total", 'cause="prefill_failed"')
+    chats = [asyncio.ensure_future(_chat(client, model, q)) for q in LONG_PROMPTS]
+    deadline = time.monotonic() + 120
+    # kill it as soon as a prompt of this batch reached its engine: mid-compute or transfer
+    while _metric(metrics_url, "pdserve:request_queue_time_seconds_count") == started:
+        assert time.monotonic() < deadline
+        assert not any(c.done() for c in chats), [c for c in chats if c.done()]
+        await asyncio.sleep(0.01)
+    assert victim.popen is not None
+    victim.popen.kill()
+    results = await asyncio.wait_for(asyncio.gather(*chats), 180)
+    assert [t for t, _ in results] == [expected_long_prompts[q] for q in LONG_PROMPTS]
+    moved = _gateway_metric(endpoints, "pdserve:migrations_total", 'cause="prefill_failed"')
+    assert moved - before >= 1
 
 
 def _live_segments() -> dict[str, bool]:

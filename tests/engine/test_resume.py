@@ -26,6 +26,11 @@ def prompt(default_tokenizer) -> list[int]:
     return default_tokenizer.encode(text)
 
 
+@pytest.fixture(scope="module")
+def engine(make_engine) -> LLMEngine:
+    return make_engine(num_kv_blocks=64)
+
+
 def _run(engine: LLMEngine, rid: str) -> tuple[list[int], list[str]]:
     tokens: list[int] = []
     deltas: list[str] = []
@@ -43,8 +48,7 @@ def _uninterrupted(engine: LLMEngine, prompt, params) -> tuple[list[int], list[s
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_colocated_resume_continues_the_same_tokens_and_text(make_engine, prompt, params) -> None:
-    engine = make_engine(num_kv_blocks=64)
+def test_colocated_resume_continues_the_same_tokens_and_text(engine, prompt, params) -> None:
     full, deltas = _uninterrupted(engine, prompt, params)
     assert len(full) == params.max_tokens
     for k in (1, params.max_tokens - 1):
@@ -54,10 +58,10 @@ def test_colocated_resume_continues_the_same_tokens_and_text(make_engine, prompt
         assert "".join(deltas[:k]) + "".join(rest_deltas) == "".join(deltas), f"cut at {k}"
 
 
-def test_disaggregated_resume_equals_uninterrupted(make_engine, prompt) -> None:
+def test_disaggregated_resume_equals_uninterrupted(make_engine, engine, prompt) -> None:
     """Prompt + resumed tokens prefilled on one engine (first token drawn there, at output
     position k), the KV moved, decoding continued on another."""
-    reference = make_engine(num_kv_blocks=64)
+    reference = engine
     prefill = make_engine(num_kv_blocks=64)
     decode = make_engine(num_kv_blocks=200)
     decode.blocks.allocate(5)  # block ids differ between the two sides
@@ -82,8 +86,7 @@ def test_disaggregated_resume_equals_uninterrupted(make_engine, prompt) -> None:
         assert [out.token_id, *rest] == full[k:]
 
 
-def test_resume_that_already_ended_is_refused(make_engine, prompt, default_tokenizer) -> None:
-    engine = make_engine(num_kv_blocks=64)
+def test_resume_that_already_ended_is_refused(engine, prompt, default_tokenizer) -> None:
     with pytest.raises(InvalidRequestError, match="max_tokens"):
         engine.add_request(prompt, GREEDY, "a", resumed=[1] * GREEDY.max_tokens)
     eos = next(iter(default_tokenizer.eos_token_ids))
@@ -95,8 +98,7 @@ def test_resume_that_already_ended_is_refused(make_engine, prompt, default_token
     assert engine.num_held == 0 and not engine.has_unfinished()
 
 
-def test_fence_frees_the_id_and_keeps_the_blocks(make_engine, prompt) -> None:
-    engine = make_engine(num_kv_blocks=64)
+def test_fence_frees_the_id_and_keeps_the_blocks(engine, prompt) -> None:
     free = engine.blocks.num_free_blocks
     first = engine.reserve("r", prompt, GREEDY)
     key = engine.fence("r", "attempt-0")
