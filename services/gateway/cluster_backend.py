@@ -266,6 +266,9 @@ class ClusterBackend:
                     produced_unix_ns=ev.produced_unix_ns,
                 )
         except grpc.aio.AioRpcError as e:
+            if finished:  # the worker went away after its last event: the stream is whole
+                log.info("decode_lost_after_finish", request_id=req.request_id)
+                return
             outcome.finish_reason = common_pb2.FINISH_REASON_ERROR
             outcome.error_code = e.code().value[0]
             outcome.error_message = e.details() or ""
