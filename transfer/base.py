@@ -335,6 +335,8 @@ class Transport(ABC):
             cached = self._writers.get(key)
         if cached is not None and not cached.closed and cached.handle == handle:
             return cached
+        with self._lock:  # forget writers closed since (e.g. their target died)
+            self._writers = {k: w for k, w in self._writers.items() if not w.closed}
         writer = self._open_writer(handle, source)  # may block (a TCP connect): not locked
         writer.dice = self._dice  # before anyone has the writer: its owner reads it later
         with self._lock:

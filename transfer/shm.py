@@ -204,6 +204,7 @@ class ShmWriter(OwnerThreadWriter):
     def _start(self, work: JobWork) -> None:
         if not _owner_alive(self._fd):
             _unlink_if_same(self._path, self._fd)
+            self._retire()  # its memory goes back to the system once nobody maps it
             raise TransferError(f"owner of shm segment {self._path} is gone")
 
     def _move(self) -> None:
@@ -240,6 +241,7 @@ class ShmWriter(OwnerThreadWriter):
 
     def _release(self) -> None:
         os.close(self._fd)
+        del self._dst_rows  # the last reference to the mapping: unmapped when collected
 
 
 class ShmTransport(Transport):

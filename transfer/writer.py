@@ -162,6 +162,12 @@ class OwnerThreadWriter(RegionWriter):
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(_CLOSE_TIMEOUT_S)
 
+    def _retire(self) -> None:
+        """Owner thread: the target is gone for good; take no more jobs. The loop exits
+        after this round, failing what is left and releasing the mapping or socket."""
+        with self._post_lock:
+            self._closed = True
+
     # --- transport hooks (owner thread) ------------------------------------------------
 
     def _new_work(self, job: TransferJob) -> JobWork:
@@ -250,7 +256,7 @@ class OwnerThreadWriter(RegionWriter):
 
     def _sleep_for(self) -> float | None:
         """How long the loop may wait; posters wake it if it may wait at all."""
-        timeout = self._next_wait()
+        timeout = 0.0 if self._closed else self._next_wait()  # retired: exit at once
         if timeout != 0:
             with self._post_lock:
                 if self._inbox.empty():

@@ -18,6 +18,7 @@ from tests.transfer.target import (
     Target,
     push_requests,
     source,
+    wait_until,
 )
 from transfer import (
     JobState,
@@ -70,6 +71,11 @@ def test_a_dead_owner_fails_the_next_job_at_its_start_and_loses_its_segment() ->
         assert time.monotonic() - started < 2.0
         assert not os.path.exists(target.handle.address)  # the orphan was unlinked
         assert writer.stats().failures == 0  # refused at its start: it never ran
+        # The writer retires: its mapping, the segment's last, goes; connecting again fails.
+        assert writer.closed
+        assert wait_until(lambda: not hasattr(writer, "_dst_rows"), 2)
+        with pytest.raises(TransferError, match="cannot open shm segment"):
+            transport.connect(target.handle, source())
 
 
 def test_abort_drops_layers_not_yet_moved_and_is_not_a_failure() -> None:
