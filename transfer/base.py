@@ -302,7 +302,7 @@ class Transport(ABC):
     def inject_faults(self, plan: FaultPlan) -> None:
         """Have writers opened from now on fail, slow down or stall as ``plan`` says (tests,
         chaos runs); an inactive plan injects nothing."""
-        self._dice = FaultDice(plan) if plan.active else None
+        self._dice = FaultDice(plan) if plan.transfer_active else None
 
     @property
     def faults_injected(self) -> int:

@@ -12,6 +12,10 @@ owner thread asks its ``FaultDice`` right before it moves the bytes of a layer r
   deadline checks (a writer descheduled or stopped mid-copy): what it moves when it wakes
   is a late write, the case KV fencing exists for;
 - ``drop_every``: every Nth job's connection is dropped (tcp) before its first run.
+
+The same plan drives the process's internal gRPC clients (``services/common/rpc_faults.py``):
+``rpc_fail_every``: every Nth call fails with ``UNAVAILABLE`` before it is sent;
+``rpc_delay_ms``: every call waits this long first.
 """
 
 from __future__ import annotations
@@ -39,13 +43,17 @@ class FaultPlan:
     delay_ms: float = 0.0
     stall_ms: float = 0.0
     drop_every: int = 0
+    rpc_fail_every: int = 0
+    rpc_delay_ms: float = 0.0
     seed: int = 0
     force: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fail_rate <= 1.0:
             raise ValueError(f"fail_rate={self.fail_rate} must be in [0, 1]")
-        for name in ("fail_every", "delay_ms", "stall_ms", "drop_every"):
+        for name in (
+            "fail_every", "delay_ms", "stall_ms", "drop_every", "rpc_fail_every", "rpc_delay_ms"
+        ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
 
@@ -59,9 +67,17 @@ class FaultPlan:
 
     @property
     def active(self) -> bool:
+        return self.transfer_active or self.rpc_active
+
+    @property
+    def transfer_active(self) -> bool:
         return bool(
             self.fail_rate or self.fail_every or self.delay_ms or self.stall_ms or self.drop_every
         )
+
+    @property
+    def rpc_active(self) -> bool:
+        return bool(self.rpc_fail_every or self.rpc_delay_ms)
 
     @classmethod
     def parse(cls, text: str, *, production: bool | None = None) -> FaultPlan:

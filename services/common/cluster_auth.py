@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 import structlog
 
+from services.common import rpc_faults
 from services.common.settings import setting
 
 log = structlog.get_logger(__name__)
@@ -181,6 +182,7 @@ def channel(
     if auth.token is not None:
         md = ((TOKEN_METADATA_KEY, auth.token),)
         interceptors = [_UnaryUnary(md), _UnaryStream(md), _StreamUnary(md), _StreamStream(md)]
+    interceptors += rpc_faults.interceptors()  # none unless a fault plan asks (tests, chaos)
     creds = auth.channel_credentials()
     if creds is None:
         return grpc.aio.insecure_channel(address, options, interceptors=interceptors)

@@ -25,7 +25,8 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import cluster_auth
+from services.common import cluster_auth, rpc_faults
+from services.common.fault_args import FaultArgs
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -66,13 +67,18 @@ def run(
     main: Coroutine[Any, Any, int | None],
     tuning: Tuning | None = None,
     cluster: cluster_auth.ClusterAuthArgs | None = None,
+    faults: FaultArgs | None = None,
 ) -> int:
     """Start a service process: logs, then its cluster auth from ``cluster`` (installed for
-    the process: ``cluster_auth.channel``; an unreadable file exits 2), then ``tuning``
-    (once), then ``main`` on uvloop; returns the exit status (``main``'s, 0 for None)."""
+    the process: ``cluster_auth.channel``; an unreadable file exits 2), its fault plan (for
+    its internal gRPC clients; tests and chaos runs only), then ``tuning`` (once), then
+    ``main`` on uvloop; returns the exit status (``main``'s, 0 for None)."""
     import uvloop
 
     configure_logging(service, level)
+    if faults is not None and faults.faults:  # parsed only when set: transfer pulls in torch
+        rpc_faults.install(faults.plan)
+        log.warning("faults_injected", plan=str(faults.plan))
     if cluster is not None:
         try:
             cluster_auth.install(cluster_auth.load(cluster), service)

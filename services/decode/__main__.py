@@ -88,7 +88,9 @@ async def _main(cfg: DecodeConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = load_config(argv)
-    return process.run(cfg.role, cfg.worker.log_level, _main(cfg), cfg.tuning, cfg.cluster)
+    return process.run(
+        cfg.role, cfg.worker.log_level, _main(cfg), cfg.tuning, cfg.cluster, cfg.fault_args
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from services.common import settings
 from services.common.cluster_auth import ClusterAuthArgs
 from services.common.engine_args import EngineArgs
+from services.common.fault_args import FaultArgs
 from services.common.settings import setting
 from services.common.tuning import Tuning
 from services.common.worker_args import WorkerArgs
@@ -41,6 +42,7 @@ class DecodeConfig:
         30.0, "deadline of a remote prefill, KV transfer included", metavar="SECONDS"
     )
     cluster: ClusterAuthArgs = field(default_factory=ClusterAuthArgs)
+    fault_args: FaultArgs = field(default_factory=FaultArgs)
     engine: EngineArgs = field(default_factory=EngineArgs)
     tuning: Tuning = field(default_factory=Tuning)
 

@@ -133,7 +133,7 @@ async def serve(cfg: GatewayConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = load_config(argv)
     cluster = cfg.cluster if cfg.backend == "cluster" else None  # local: no internal calls
-    return process.run("gateway", cfg.log_level, serve(cfg), cfg.tuning, cluster)
+    return process.run("gateway", cfg.log_level, serve(cfg), cfg.tuning, cluster, cfg.fault_args)
 
 
 if __name__ == "__main__":

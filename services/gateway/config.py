@@ -10,6 +10,7 @@ from services.common import settings
 from services.common.cluster_auth import ClusterAuthArgs
 from services.common.config import LOG_LEVELS, log_level
 from services.common.engine_args import EngineArgs
+from services.common.fault_args import FaultArgs
 from services.common.settings import setting
 from services.common.tuning import Tuning
 
@@ -55,6 +56,7 @@ class GatewayConfig:
     log_level: str = setting("info", "log level", parse=log_level, choices=LOG_LEVELS)
     # How the cluster backend's calls to the scheduler and decode workers authenticate.
     cluster: ClusterAuthArgs = field(default_factory=ClusterAuthArgs)
+    fault_args: FaultArgs = field(default_factory=FaultArgs)
     # The local backend's engine; the cluster backend reads only model and max_model_len.
     engine: EngineArgs = field(default_factory=EngineArgs)
     tuning: Tuning = field(default_factory=Tuning)

@@ -10,12 +10,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-import structlog
-
 from services.common import process
 from services.prefill.config import PrefillConfig, load_config
-
-log = structlog.get_logger("services.prefill")
 
 
 async def _main(cfg: PrefillConfig) -> None:
@@ -28,10 +24,8 @@ async def _main(cfg: PrefillConfig) -> None:
 
     aengine = build_engine(cfg.engine, cfg.tuning, prefill_token_budget=cfg.prefill_token_budget)
     transports = {n: get_transport(n, **cfg.transport_options(n)) for n in cfg.transports}
-    if cfg.fault_plan.active:
-        log.warning("kv_faults_injected", plan=str(cfg.fault_plan))
-        for t in transports.values():
-            t.inject_faults(cfg.fault_plan)
+    for t in transports.values():
+        t.inject_faults(cfg.fault_args.plan)  # none unless --faults / PDSERVE_FAULTS says
     server = process.GrpcServer(
         ["pdserve.v1.PrefillWorker"], cfg.worker.host, cfg.worker.port,
         advertise_host=cfg.worker.advertise_host, auth=cluster_auth.installed(),
@@ -52,7 +46,9 @@ async def _main(cfg: PrefillConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = load_config(argv)
-    return process.run("prefill", cfg.worker.log_level, _main(cfg), cfg.tuning, cfg.cluster)
+    return process.run(
+        "prefill", cfg.worker.log_level, _main(cfg), cfg.tuning, cfg.cluster, cfg.fault_args
+    )
 
 
 if __name__ == "__main__":

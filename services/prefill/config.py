@@ -9,10 +9,10 @@ from services.common import settings
 from services.common.cluster_auth import ClusterAuthArgs
 from services.common.config import tcp_congestion
 from services.common.engine_args import EngineArgs
+from services.common.fault_args import FaultArgs
 from services.common.settings import setting
 from services.common.tuning import Tuning
 from services.common.worker_args import WorkerArgs
-from transfer.faults import FaultPlan
 
 ABOUT = (
     "pdserve prefill worker: computes prompts, writes their KV into decode workers' "
@@ -37,15 +37,8 @@ class PrefillConfig:
         metavar="NAME",
     )
     prefill_token_budget: int = setting(4096, "most prompt tokens computed in one forward pass")
-    faults: str = setting(
-        "",
-        "KV fault injection for tests and chaos runs, key=value pairs: fail_rate, fail_every, "
-        "delay_ms, stall_ms, drop_every, seed (transfer/faults.py); refused when "
-        "PDSERVE_PRODUCTION=1 unless force=1. Empty: none",
-        metavar="PLAN",
-        env="PDSERVE_FAULTS",
-    )
     cluster: ClusterAuthArgs = field(default_factory=ClusterAuthArgs)
+    fault_args: FaultArgs = field(default_factory=FaultArgs)
     engine: EngineArgs = field(default_factory=EngineArgs)
     tuning: Tuning = field(default_factory=Tuning)
 
@@ -54,11 +47,6 @@ class PrefillConfig:
             raise ValueError("transports must name at least one transport")
         if self.prefill_token_budget < 1:
             raise ValueError(f"prefill_token_budget must be >= 1, got {self.prefill_token_budget}")
-        self.fault_plan  # noqa: B018 (validates: a bad plan is a usage error)
-
-    @property
-    def fault_plan(self) -> FaultPlan:
-        return FaultPlan.parse(self.faults)
 
     def transport_options(self, name: str) -> dict[str, object]:
         """The options this config gives transport ``name``."""

@@ -33,7 +33,13 @@ async def _main(config: SchedulerConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = load_config(argv)
-    return process.run("scheduler", config.log_level, _main(config), cluster=config.cluster)
+    return process.run(
+        "scheduler",
+        config.log_level,
+        _main(config),
+        cluster=config.cluster,
+        faults=config.fault_args,
+    )
 
 
 if __name__ == "__main__":

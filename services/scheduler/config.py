@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from services.common import settings
 from services.common.cluster_auth import ClusterAuthArgs
 from services.common.config import LOG_LEVELS, log_level
+from services.common.fault_args import FaultArgs
 from services.common.settings import setting
 from services.scheduler.policy import AdmissionLimits
 from services.scheduler.state import StateConfig
@@ -56,6 +57,7 @@ class SchedulerConfig:
     )
     log_level: str = setting("info", "log level", parse=log_level, choices=LOG_LEVELS)
     cluster: ClusterAuthArgs = field(default_factory=ClusterAuthArgs)
+    fault_args: FaultArgs = field(default_factory=FaultArgs)
 
     def __post_init__(self) -> None:
         positive = (
