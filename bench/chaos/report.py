@@ -35,6 +35,7 @@ class ChaosReport:
     config: dict[str, Any]
     date: str
     wall_s: float
+    phases_s: dict[str, float]
     requests: int
     completed: int
     failed: int
@@ -56,6 +57,7 @@ class ChaosReport:
     kills: list[dict[str, Any]]
     supervisor: list[str]
     supervisor_stopped: str | None
+    outcomes: list[dict[str, Any]]
 
     @property
     def migrated_mismatches(self) -> list[Mismatch]:
@@ -143,7 +145,12 @@ def render(r: ChaosReport) -> str:
             f"before {r.shm_bytes_before}, after {r.shm_bytes_after}, "
             f"left by this run {sum(r.shm_left.values())}",
         ),
-        ("wall time", f"{r.wall_s:.1f} s"),
+        (
+            "wall time",
+            f"{r.wall_s:.1f} s ("
+            + ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in r.phases_s.items())
+            + ")",
+        ),
     ]
     lines = [f"{k:<34} {v}" for k, v in rows]
     if r.error_causes:

@@ -99,24 +99,32 @@ def run(cfg: ChaosConfig, say: Callable[[str], None] = _say) -> ChaosReport:
     )
     stack = Stack(log_dir=log_dir, env=env)
     say(f"starting the stack (logs: {log_dir})")
+    phases: dict[str, float] = {}
     try:
         endpoints = launch(up, stack)
-        say("the stack is up; sending requests")
+        phases["start_s"] = time.monotonic() - started
+        say(f"the stack is up after {phases['start_s']:.1f} s; sending requests")
         live = asyncio.run(_drive(cfg, stack, endpoints, say))
+        phases.update(requests_s=live.requests_s, kv_wait_s=live.free_wait_s)
     finally:
+        stopping = time.monotonic()
         stack.stop()
         from transfer.shm import sweep_stale_segments  # here: it imports torch
 
         swept = sweep_stale_segments()
+        phases["stop_s"] = time.monotonic() - stopping
     shm_after = probes.kv_segments()
     say("the stack stopped; computing the greedy reference")
+    computing = time.monotonic()
     ref = reference.greedy_texts([o.question for o in live.outcomes], cfg.max_tokens)
+    phases["reference_s"] = time.monotonic() - computing
     completed, failed, hung, causes = count_outcomes(live.outcomes)
     migrated = probes.migrated_requests(log_dir / "gateway.log")
     return ChaosReport(
         config={**asdict(cfg), "log_dir": str(log_dir)},
         date=date,
         wall_s=time.monotonic() - started,
+        phases_s=phases,
         requests=cfg.requests,
         completed=completed,
         failed=failed,
@@ -149,6 +157,7 @@ def run(cfg: ChaosConfig, say: Callable[[str], None] = _say) -> ChaosReport:
         kills=live.kills,
         supervisor=live.said,
         supervisor_stopped=live.stopped,
+        outcomes=[{**asdict(o), "migrated": migrated.get(o.request_id, [])} for o in live.outcomes],
     )
 
 
@@ -160,6 +169,7 @@ class _Live:
     free_before: dict[str, int | None]
     free_after: dict[str, int | None]
     free_wait_s: float
+    requests_s: float
     migrations_before: dict[str, float]
     migrations_after: dict[str, float]
     fired: list[Kill]
@@ -242,6 +252,7 @@ async def _drive(
             return out
 
         outcomes = list(await asyncio.gather(*(one(i) for i in range(cfg.requests))))
+        requests_s = time.monotonic() - t0
         say("every request finished; waiting for the KV blocks to come back")
         waited = time.monotonic()
         survivors = [w for w in free_before if w not in {k.target for k in fired}]
@@ -262,6 +273,7 @@ async def _drive(
         free_before=free_before,
         free_after=free_after,
         free_wait_s=free_wait_s,
+        requests_s=requests_s,
         migrations_before=migrations_before,
         migrations_after=migrations_after,
         fired=fired,
