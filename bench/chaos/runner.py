@@ -205,6 +205,11 @@ async def _drive(
         async with session.get(f"{endpoints['http']}/models") as r:
             model = (await r.json())["data"][0]["id"]
         free_before = await probes.free_blocks(session, endpoints)
+        for _ in range(20):  # the gauge is set with each heartbeat: the first may be due
+            if None not in free_before.values():
+                break
+            await asyncio.sleep(0.5)
+            free_before = await probes.free_blocks(session, endpoints)
         migrations_before = await probes.migrations(session, gateway_metrics)
         pending = list(
             plan(
