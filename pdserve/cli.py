@@ -5,6 +5,7 @@ Subcommands:
   up         start the local stack (redis, scheduler, workers, gateway) as processes
   bench      load-test an OpenAI-compatible server (TTFT, ITL, throughput, goodput)
   plan       size prefill/decode workers for a workload from a measured profile
+  chaos      serve through injected faults and kills; check nothing hung, leaked or changed
 """
 
 from __future__ import annotations

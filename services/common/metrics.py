@@ -28,6 +28,9 @@ QUEUE_TIME = Histogram(
 RUNNING = Gauge("pdserve:num_requests_running", "Requests in the running batch.", ["role"])
 WAITING = Gauge("pdserve:num_requests_waiting", "Requests queued for admission.", ["role"])
 KV_USAGE = Gauge("pdserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", ["role"])
+KV_FREE = Gauge(
+    "pdserve:kv_free_blocks", "KV blocks allocatable now (cached ones included).", ["role"]
+)
 REQUESTS = Counter(
     "pdserve:request_success_total", "Finished requests by finish reason.", ["role", "reason"]
 )

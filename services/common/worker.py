@@ -101,6 +101,7 @@ def load_snapshot(aengine: AsyncEngine, role: str) -> scheduler_pb2.LoadSnapshot
     metrics.RUNNING.labels(role).set(st.running + st.held)
     metrics.WAITING.labels(role).set(st.waiting)
     metrics.KV_USAGE.labels(role).set(st.kv_usage)
+    metrics.KV_FREE.labels(role).set(st.free_blocks)
     return scheduler_pb2.LoadSnapshot(
         running_requests=st.running + st.held,
         waiting_requests=st.waiting,
