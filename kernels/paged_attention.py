@@ -10,6 +10,7 @@ The engine's ``cpu_kernels`` setting decides whether it is asked at all.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -35,9 +36,11 @@ def _load() -> ModuleType | None:
 
             isa, flags = _isa_flags()
             # The ISA is part of the name, so a cached build never runs on a CPU without it
-            # (an image built on one machine and run on another).
+            # (an image built on one machine and run on another); so is the source's digest,
+            # so two checkouts of different sources keep a build each, not rebuild in turn.
+            digest = hashlib.sha256(_SRC.read_bytes()).hexdigest()[:12]
             _module = load(
-                name=f"pdserve_paged_decode_attention_{isa}",
+                name=f"pdserve_paged_decode_attention_{isa}_{digest}",
                 sources=[str(_SRC)],
                 extra_cflags=["-O3", *flags, "-fopenmp-simd", "-fno-math-errno"],
                 verbose=False,

@@ -19,6 +19,7 @@ import torch
 from engine.async_engine import AsyncEngine
 from engine.kv_cache import KVCacheSpec
 from engine.llm_engine import LLMEngine
+from kernels.paged_attention import cpu_kernel_available
 from pdserve.v1 import common_pb2, scheduler_pb2
 from services.common import metrics, process
 from services.common.engine_args import EngineArgs
@@ -51,7 +52,12 @@ def build_engine(
     """The worker's engine, driven by its own thread laid out by ``tuning`` (not started
     yet); ``options``: further ``AsyncEngine`` arguments."""
     t0 = time.monotonic()
-    engine = LLMEngine(args.engine_config(tuning.engine_cpus), kv_memory=kv_memory)
+    config = args.engine_config(tuning.engine_cpus)
+    engine = LLMEngine(config, kv_memory=kv_memory)
+    if config.cpu_kernels:
+        # Loaded (compiled, on a machine's first run) now, before READY: not by the first
+        # decode step, which would stall every stream placed here meanwhile.
+        cpu_kernel_available()
     log.info("engine_ready", seconds=round(time.monotonic() - t0, 2),
              kv_blocks=engine.blocks.num_blocks, max_model_len=engine.max_model_len)  # fmt: skip
     return AsyncEngine(engine, **tuning.engine_options(), **options)
