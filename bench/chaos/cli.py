@@ -59,10 +59,17 @@ def add_chaos_flags(p: argparse.ArgumentParser) -> None:
         help="KV pool of each worker (default: %(default)s)",
     )
     p.add_argument(
+        "--prefill-deadline-s",
+        type=float,
+        default=d.prefill_deadline_s,
+        help="the decode workers' prefill deadline; with 2 s it is the KV lease that holds a "
+        "killed prefill worker's destination blocks (default: %(default)s)",
+    )
+    p.add_argument(
         "--lease-wait-s",
         type=float,
-        default=d.lease_wait_s,
-        help="longest wait for free KV blocks after the run (default: %(default)s)",
+        default=None,
+        help="longest wait for free KV blocks after the run (default: the prefill deadline + 5 s)",
     )
     p.add_argument("--log-dir", default=None, help="the stack's logs (default: a new temp dir)")
     p.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
@@ -80,6 +87,7 @@ def config_from(args: argparse.Namespace) -> ChaosConfig:
         kill_decode=args.kill_decode,
         restart_redis=args.restart_redis,
         kv_cache_mib=args.kv_cache_mib,
+        prefill_deadline_s=args.prefill_deadline_s,
         lease_wait_s=args.lease_wait_s,
         log_dir=args.log_dir,
     )

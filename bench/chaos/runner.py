@@ -34,9 +34,10 @@ from services.up import launch, load_up_config, supervise
 
 @dataclass(frozen=True)
 class ChaosConfig:
-    """One chaos run. ``lease_wait_s``: how long to wait after the last request for the
-    surviving workers' free KV blocks to return (the decode worker's KV lease is its
-    prefill deadline, 30 s, plus 2 s of grace)."""
+    """One chaos run. ``prefill_deadline_s``: the decode workers' prefill deadline, whose
+    KV lease (it plus 2 s) holds a killed prefill worker's destination blocks.
+    ``lease_wait_s``: how long to wait after the last request for the surviving workers'
+    free KV blocks to return (default: the lease plus 3 s)."""
 
     requests: int = 300
     concurrency: int = 16
@@ -50,8 +51,13 @@ class ChaosConfig:
     prefill: int = 2
     decode: int = 2
     kv_cache_mib: int = 64
-    lease_wait_s: float = 35.0
+    prefill_deadline_s: float = 30.0
+    lease_wait_s: float | None = None
     log_dir: str | None = None
+
+    @property
+    def lease_wait(self) -> float:
+        return self.prefill_deadline_s + 5.0 if self.lease_wait_s is None else self.lease_wait_s
 
     def __post_init__(self) -> None:
         if self.requests < 1 or self.concurrency < 1 or self.max_tokens < 1:
@@ -73,7 +79,7 @@ def run(cfg: ChaosConfig, say: Callable[[str], None] = _say) -> ChaosReport:
     log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="pdserve-chaos-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     shm_before = probes.kv_segments()
-    env = {}
+    env = {"PDSERVE_DECODE_PREFILL_DEADLINE_S": str(cfg.prefill_deadline_s)}
     if cfg.fault_rate > 0:
         env["PDSERVE_FAULTS"] = f"fail_rate={cfg.fault_rate},seed={cfg.fault_seed}"
     up = load_up_config(
@@ -265,7 +271,7 @@ async def _drive(
             free_after = await probes.free_blocks(session, endpoints)
             back = all(free_after.get(w) == free_before[w] for w in survivors)
             restarted_ready = all(stack.named(k.target).ready.is_set() for k in fired)
-            if (back and restarted_ready) or time.monotonic() - waited > cfg.lease_wait_s:
+            if (back and restarted_ready) or time.monotonic() - waited > cfg.lease_wait:
                 break
             await asyncio.sleep(0.5)
         free_wait_s = time.monotonic() - waited

@@ -82,10 +82,11 @@ def test_metrics_and_the_gateway_log_are_read(tmp_path: Path) -> None:
 def test_a_small_chaos_run_meets_the_acceptance(tmp_path: Path) -> None:
     report = run(
         ChaosConfig(
-            requests=40,
+            requests=32,
             concurrency=16,
-            max_tokens=16,
+            max_tokens=12,
             fault_rate=0.1,
+            prefill_deadline_s=10.0,
             kill_prefill=True,
             kill_decode=True,
             restart_redis=True,
