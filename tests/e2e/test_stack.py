@@ -358,8 +358,11 @@ async def test_killed_decode_worker_streams_migrate_with_identical_greedy_text(
     assert [t for t, _ in results] == [expected[q] for q in QUESTIONS[:4]]
 
 
-LONG_PROMPTS = [f"Summarize this, part {i}: " + "the tide comes in and goes out. " * 90
-                for i in range(4)]  # fmt: skip
+# Long enough to kill a prefill worker mid-compute; small enough that, with the decode
+# worker killed by the test before this one, the survivor holds them all (and the blocks
+# leased to the killed prefill worker's writes).
+LONG_PROMPTS = [f"Summarize this, part {i}: " + "the tide comes in and goes out. " * 35
+                for i in range(3)]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
