@@ -53,10 +53,11 @@ def stack(tmp_path_factory):
          "--heartbeat-ttl-s", "2", "--pin", "--control-cpus", "0",
          "--kv-tcp-congestion", "reno"], {}
     )  # fmt: skip
-    # A short prefill deadline: the KV lease of a killed prefill worker's requests is short.
+    # A short prefill deadline: the KV lease of a killed prefill worker's requests is short;
+    # a short drain: a drained decode worker cuts its streams soon.
     st = Stack(
         log_dir=tmp_path_factory.mktemp("stack"),
-        env={"PDSERVE_DECODE_PREFILL_DEADLINE_S": "10"},
+        env={"PDSERVE_DECODE_PREFILL_DEADLINE_S": "10", "PDSERVE_DECODE_DRAIN_TIMEOUT_S": "0.5"},
     )
     try:
         endpoints = launch(args, st)
@@ -504,6 +505,34 @@ async def _served_within(client, model: str, timeout_s: float) -> float:
         except openai.APIError:
             assert time.monotonic() - started < timeout_s, "not served again in time"
             await asyncio.sleep(0.2)
+
+
+async def test_a_drained_decode_worker_streams_migrate_at_its_drain_deadline(
+    stack, expected_long
+) -> None:
+    """SIGTERM to a decode worker: it takes no new work, and the streams it still runs at
+    its drain deadline (0.5 s here) are cut; the gateway moves them, the text unbroken."""
+    st, endpoints = stack
+    client = _client(endpoints)
+    model = await _model(client)
+    before = _gateway_metric(endpoints, "pdserve:migrations_total", 'cause="decode_lost"')
+    seen = [0] * len(POEMS)
+    streams = [
+        asyncio.ensure_future(_chat_counting(client, model, q, seen, i))
+        for i, q in enumerate(POEMS)
+    ]
+    deadline = time.monotonic() + 120
+    while min(seen) < 3:
+        assert time.monotonic() < deadline, seen
+        await asyncio.sleep(0.02)
+    victim = st.named("decode-0")
+    assert victim.popen is not None and victim.popen.poll() is None
+    victim.popen.terminate()
+    texts = await asyncio.wait_for(asyncio.gather(*streams), 180)
+    assert texts == [expected_long[q] for q in POEMS]
+    assert victim.popen.wait(30) == 0  # a drain, not a crash
+    moved = _gateway_metric(endpoints, "pdserve:migrations_total", 'cause="decode_lost"')
+    assert moved - before >= 1
 
 
 async def test_a_killed_redis_is_restarted_and_requests_are_served_throughout(

@@ -20,6 +20,8 @@ from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.services.procs import ServiceProcess, start_service
 
 MAX_TOKENS = 12
+# The decode workers' prefill deadline; with 2 s of grace, the KV lease of a failed prefill.
+PREFILL_DEADLINE_S = 10.0
 KV_MIB = "48"
 
 
@@ -43,6 +45,7 @@ def cluster():
             ports[name] = _free_port()
             procs[name] = start_service(
                 "services.decode", "--port", "0", "--kv-cache-mib", KV_MIB,
+                "--prefill-deadline-s", str(PREFILL_DEADLINE_S),
                 "--metrics-port", str(ports[name]), *args,
             )  # fmt: skip
         ports["prefill"] = _free_port()
@@ -269,7 +272,10 @@ async def test_unreachable_prefill_worker_is_an_error_not_a_hang(cluster, prompt
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await asyncio.wait_for(_generate(procs["shm"].address, req), 40)
     assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-    assert await _wait_metric(ports["shm"], "pdserve:kv_cache_usage_perc", 0.0, 3.0) == 0.0
+    # Nothing says the writer never started (a refused connection and one reset mid-call
+    # are both UNAVAILABLE): the blocks come back when the KV lease ends.
+    lease = PREFILL_DEADLINE_S + 2.0
+    assert await _wait_metric(ports["shm"], "pdserve:kv_cache_usage_perc", 0.0, lease + 3) == 0.0
 
 
 async def test_sigterm_drains_in_flight_streams_then_exits(prompts) -> None:
