@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import re
 import time
-import urllib.request
 from collections.abc import AsyncIterator
 
 import grpc
@@ -31,6 +29,7 @@ from pdserve.v1 import (
 from services.launcher import Stack, free_port
 from services.supervisor import RestartPolicy, Supervisor
 from services.up import launch, load_up_config, pin_plan, supervise, worker_placement
+from tests.scrape import metric
 
 MAX_TOKENS = 16
 QUESTIONS = [
@@ -64,18 +63,6 @@ def stack(tmp_path_factory):
         yield st, endpoints
     finally:
         st.stop()
-
-
-def _metric(url: str, name: str, labels: str = "") -> float:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    total, found = 0.0, False
-    for line in text.splitlines():
-        m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)$", line)
-        if m and labels in (m.group(1) or ""):
-            total += float(m.group(2))
-            found = True
-    assert found, f"{name} not exported at {url}"
-    return total
 
 
 def _client(endpoints) -> openai.AsyncOpenAI:
@@ -149,7 +136,7 @@ def expected(make_engine, default_tokenizer) -> dict[str, str]:
 
 def _kv_bytes(endpoints) -> dict[str, float]:
     return {
-        k.split(":", 1)[1]: _metric(v, "pdserve:kv_transfer_bytes_total")
+        k.split(":", 1)[1]: metric(v, "pdserve:kv_transfer_bytes_total")
         for k, v in endpoints.items()
         if k.startswith("metrics:decode")
     }
@@ -157,7 +144,7 @@ def _kv_bytes(endpoints) -> dict[str, float]:
 
 def _kv_usage(endpoints) -> dict[str, float]:
     return {
-        k.split(":", 1)[1]: _metric(v, "pdserve:kv_cache_usage_perc")
+        k.split(":", 1)[1]: metric(v, "pdserve:kv_cache_usage_perc")
         for k, v in endpoints.items()
         if k.startswith("metrics:")
     }
@@ -322,8 +309,25 @@ async def _chat_counting(client, model: str, q: str, seen: list[int], i: int) ->
     return "".join(text)
 
 
+async def _poems_streaming(endpoints) -> list[asyncio.Future[str]]:
+    """The POEMS as greedy streams, returned once every one has produced a few chunks."""
+    client = _client(endpoints)
+    model = await _model(client)
+    seen = [0] * len(POEMS)
+    streams = [
+        asyncio.ensure_future(_chat_counting(client, model, q, seen, i))
+        for i, q in enumerate(POEMS)
+    ]
+    deadline = time.monotonic() + 120
+    while min(seen) < 3:
+        assert time.monotonic() < deadline, seen
+        assert not any(s.done() for s in streams), [s for s in streams if s.done()]
+        await asyncio.sleep(0.02)
+    return streams
+
+
 def _gateway_metric(endpoints, name: str, labels: str = "") -> float:
-    return _metric(endpoints["http"].removesuffix("/v1") + "/metrics", name, labels)
+    return metric(endpoints["http"].removesuffix("/v1") + "/metrics", name, labels)
 
 
 async def test_killed_decode_worker_streams_migrate_with_identical_greedy_text(
@@ -337,16 +341,7 @@ async def test_killed_decode_worker_streams_migrate_with_identical_greedy_text(
     model = await _model(client)
     victim = st.named("decode-1")
     before = _gateway_metric(endpoints, "pdserve:migrations_total", 'cause="decode_lost"')
-    seen = [0] * len(POEMS)
-    streams = [
-        asyncio.ensure_future(_chat_counting(client, model, q, seen, i))
-        for i, q in enumerate(POEMS)
-    ]
-    deadline = time.monotonic() + 120
-    while min(seen) < 3:  # every stream is producing: kill one worker mid-stream
-        assert time.monotonic() < deadline, seen
-        assert not any(s.done() for s in streams), [s for s in streams if s.done()]
-        await asyncio.sleep(0.02)
+    streams = await _poems_streaming(endpoints)  # every stream is producing: kill mid-stream
     assert victim.popen is not None
     victim.popen.kill()
     texts = await asyncio.wait_for(asyncio.gather(*streams), 180)
@@ -386,12 +381,12 @@ async def test_killed_prefill_worker_mid_transfer_its_requests_complete(
     model = await _model(client)
     victim = st.named("prefill-1")
     metrics_url = endpoints["metrics:prefill-1"]
-    started = _metric(metrics_url, "pdserve:request_queue_time_seconds_count")
+    started = metric(metrics_url, "pdserve:request_queue_time_seconds_count")
     before = _gateway_metric(endpoints, "pdserve:migrations_total", 'cause="prefill_failed"')
     chats = [asyncio.ensure_future(_chat(client, model, q)) for q in LONG_PROMPTS]
     deadline = time.monotonic() + 120
     # kill it as soon as a prompt of this batch reached its engine: mid-compute or transfer
-    while _metric(metrics_url, "pdserve:request_queue_time_seconds_count") == started:
+    while metric(metrics_url, "pdserve:request_queue_time_seconds_count") == started:
         assert time.monotonic() < deadline
         assert not any(c.done() for c in chats), [c for c in chats if c.done()]
         await asyncio.sleep(0.01)
@@ -513,18 +508,8 @@ async def test_a_drained_decode_worker_streams_migrate_at_its_drain_deadline(
     """SIGTERM to a decode worker: it takes no new work, and the streams it still runs at
     its drain deadline (0.5 s here) are cut; the gateway moves them, the text unbroken."""
     st, endpoints = stack
-    client = _client(endpoints)
-    model = await _model(client)
     before = _gateway_metric(endpoints, "pdserve:migrations_total", 'cause="decode_lost"')
-    seen = [0] * len(POEMS)
-    streams = [
-        asyncio.ensure_future(_chat_counting(client, model, q, seen, i))
-        for i, q in enumerate(POEMS)
-    ]
-    deadline = time.monotonic() + 120
-    while min(seen) < 3:
-        assert time.monotonic() < deadline, seen
-        await asyncio.sleep(0.02)
+    streams = await _poems_streaming(endpoints)
     victim = st.named("decode-0")
     assert victim.popen is not None and victim.popen.poll() is None
     victim.popen.terminate()

@@ -11,8 +11,6 @@ write that fencing must keep out of any block given to another request.
 from __future__ import annotations
 
 import asyncio
-import re
-import urllib.request
 
 import grpc
 import pytest
@@ -20,6 +18,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.launcher import free_port
+from tests.scrape import metric
 from tests.services.procs import ServiceProcess, start_service
 
 STALL_MS = 2000
@@ -48,15 +47,7 @@ def workers():
 
 
 def _metric(port: int, name: str, labels: str = "") -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    total, found = 0.0, False
-    for line in text.splitlines():
-        m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)$", line)
-        if m and labels in (m.group(1) or ""):
-            total += float(m.group(2))
-            found = True
-    assert found, f"{name}{labels} not exported"
-    return total
+    return metric(f"http://127.0.0.1:{port}/metrics", name, labels)
 
 
 async def _until_free(port: int, timeout: float) -> float:

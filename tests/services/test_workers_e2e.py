@@ -8,15 +8,14 @@ every block free; bad input gets a clear status.
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
-import urllib.request
 
 import grpc
 import pytest
 
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tests.scrape import metric
 from tests.services.procs import ServiceProcess, start_service
 
 MAX_TOKENS = 12
@@ -60,16 +59,7 @@ def cluster():
 
 
 def _metric(port: int, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    total = 0.0
-    found = False
-    for line in text.splitlines():
-        m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)$", line)
-        if m:
-            total += float(m.group(2))
-            found = True
-    assert found, f"{name} not exported"
-    return total
+    return metric(f"http://127.0.0.1:{port}/metrics", name)
 
 
 async def _wait_metric(port: int, name: str, want: float, timeout: float = 1.0) -> float:

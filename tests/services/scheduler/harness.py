@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator, Iterator
 
 import grpc
 
-from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.services.scheduler.processes import Process
+from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from tests.services.scheduler.processes import Process, worker_info
 
 TTL_S = 1.0
 """The default lease of these tests."""
@@ -32,21 +32,7 @@ class FakeWorker:
         self.stub = stub
         self.ttl_s = ttl_s
         self.worker_id = worker_id
-        self.info = common_pb2.WorkerInfo(
-            worker_id=worker_id,
-            role=role,
-            grpc_address="127.0.0.1:1",
-            transports=["tcp"],
-            model="m",
-            host_id="test-host",
-            capacity=common_pb2.WorkerCapacity(
-                total_kv_blocks=1000,
-                block_size=16,
-                max_num_seqs=64,
-                max_model_len=8192,
-                max_num_batched_tokens=2048,
-            ),
-        )
+        self.info = worker_info(worker_id, role)
         self.load = scheduler_pb2.LoadSnapshot(free_kv_blocks=1000, total_kv_blocks=1000, **load)
         self.cached: list[int] = []
         self.sequence = 0

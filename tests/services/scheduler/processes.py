@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -112,6 +113,27 @@ def start_worker(
 # ---- the fake worker process ----
 
 
+def worker_info(worker_id: str, role: int, grpc_address: str = "127.0.0.1:1") -> Any:
+    """A test worker's ``WorkerInfo`` (1,000 blocks of 16 tokens, model "m")."""
+    from pdserve.v1 import common_pb2
+
+    return common_pb2.WorkerInfo(
+        worker_id=worker_id,
+        role=role,
+        grpc_address=grpc_address,
+        transports=["tcp"],
+        model="m",
+        host_id="test-host",
+        capacity=common_pb2.WorkerCapacity(
+            total_kv_blocks=1000,
+            block_size=16,
+            max_num_seqs=64,
+            max_model_len=8192,
+            max_num_batched_tokens=2048,
+        ),
+    )
+
+
 def _worker_main(argv: Sequence[str]) -> int:
     import grpc
 
@@ -126,21 +148,7 @@ def _worker_main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     cached = [int(h) for h in args.cached.split(",") if h]
     role = getattr(common_pb2, f"WORKER_ROLE_{args.role.upper()}")
-    info = common_pb2.WorkerInfo(
-        worker_id=args.worker_id,
-        role=role,
-        grpc_address=f"127.0.0.1:{40000 + os.getpid() % 20000}",
-        transports=["tcp"],
-        model="m",
-        host_id="test-host",
-        capacity=common_pb2.WorkerCapacity(
-            total_kv_blocks=1000,
-            block_size=16,
-            max_num_seqs=64,
-            max_model_len=8192,
-            max_num_batched_tokens=2048,
-        ),
-    )
+    info = worker_info(args.worker_id, role, f"127.0.0.1:{40000 + os.getpid() % 20000}")
     load = scheduler_pb2.LoadSnapshot(free_kv_blocks=args.free_kv_blocks, total_kv_blocks=1000)
     with grpc.insecure_channel(args.scheduler) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)

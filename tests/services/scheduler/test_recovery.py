@@ -23,7 +23,7 @@ from tests.services.scheduler.harness import (
     running,
     scheduler_flags,
 )
-from tests.services.scheduler.processes import start_scheduler
+from tests.services.scheduler.processes import start_scheduler, worker_info
 
 HASHES = (101, 202, 303)
 OUTAGE_S = 1.5  # longer than the retries a write Redis refuses gets: held, not dropped
@@ -83,20 +83,7 @@ async def test_a_redis_restart_loses_nothing_the_scheduler_holds(prefix: str) ->
 
 
 def _info(worker_id: str, role: int) -> common_pb2.WorkerInfo:
-    return common_pb2.WorkerInfo(
-        worker_id=worker_id,
-        role=role,
-        grpc_address="127.0.0.1:1",
-        transports=["tcp"],
-        model="m",
-        capacity=common_pb2.WorkerCapacity(
-            total_kv_blocks=1000,
-            block_size=16,
-            max_num_seqs=64,
-            max_model_len=8192,
-            max_num_batched_tokens=2048,
-        ),
-    )
+    return worker_info(worker_id, role)
 
 
 async def _place_within(
