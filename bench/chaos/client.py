@@ -9,13 +9,12 @@ marks it ``hung``.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
 
 import aiohttp
 
-from bench.serve.client import parse_sse_line
+from bench.serve.client import StreamError, sse_events
 
 _MAX_ERROR_CHARS = 300
 
@@ -58,7 +57,7 @@ async def chat(
         "stream": True,
     }
     started = time.monotonic()
-    rid, text, finish, error, done, hung = "", [], None, None, False, False
+    rid, text, finish, error, hung = "", [], None, None, False
     try:
         async with asyncio.timeout(deadline_s):
             async with session.post(f"{base_url}/chat/completions", json=body) as resp:
@@ -66,21 +65,12 @@ async def chat(
                     detail = (await resp.text(errors="replace")).strip()
                     error = f"HTTP {resp.status}: {detail}"
                 else:
-                    async for raw in resp.content:
-                        event = parse_sse_line(raw)
-                        if event is None:
-                            continue
-                        if event.done:
-                            done = True
-                            break
-                        if event.error is not None:
-                            error = f"stream error: {event.error}"
-                            break
-                        rid = rid or _response_id(raw)
+                    async for event in sse_events(resp.content):
+                        rid = rid or event.id
                         text.append(event.text)
                         finish = event.finish_reason or finish
-                    if error is None and not done:
-                        error = "the stream ended before [DONE]"
+    except StreamError as exc:
+        error = str(exc)
     except TimeoutError:
         hung = True
     except (aiohttp.ClientError, OSError, ValueError) as exc:
@@ -95,13 +85,3 @@ async def chat(
         hung=hung,
         seconds=time.monotonic() - started,
     )
-
-
-def _response_id(raw: bytes) -> str:
-    """The ``id`` of one ``data:`` line's chunk ("" if it has none)."""
-    try:
-        obj = json.loads(raw.decode("utf-8", errors="replace").strip()[5:])
-    except json.JSONDecodeError:
-        return ""
-    rid = obj.get("id") if isinstance(obj, dict) else None
-    return rid if isinstance(rid, str) else ""

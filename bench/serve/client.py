@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -51,6 +52,26 @@ class SseEvent:
     finish_reason: str | None = None
     error: str | None = None
     done: bool = False
+    id: str = ""  # the chunk's ``id`` (the server's request id), "" if it has none
+
+
+class StreamError(Exception):
+    """An SSE stream that failed: an error event, or an end before ``[DONE]``."""
+
+
+async def sse_events(lines: AsyncIterator[bytes]) -> AsyncIterator[SseEvent]:
+    """The data events of an OpenAI SSE stream, up to ``[DONE]``; ``StreamError`` on an
+    error event or when the lines end before ``[DONE]``."""
+    async for raw in lines:
+        event = parse_sse_line(raw)
+        if event is None:
+            continue
+        if event.done:
+            return
+        if event.error is not None:
+            raise StreamError(f"stream error: {event.error}")
+        yield event
+    raise StreamError("the stream ended before [DONE]")
 
 
 def request_body(spec: RequestSpec, model: str, opts: ClientOptions) -> dict[str, Any]:
@@ -106,8 +127,12 @@ def parse_sse_line(line: bytes | str) -> SseEvent | None:
         content = delta.get("content") if isinstance(delta, dict) else choice.get("text")
         text = content if isinstance(content, str) else ""
     usage = obj.get("usage")
+    rid = obj.get("id")
     return SseEvent(
-        text=text, usage=usage if isinstance(usage, dict) else None, finish_reason=finish
+        text=text,
+        usage=usage if isinstance(usage, dict) else None,
+        finish_reason=finish,
+        id=rid if isinstance(rid, str) else "",
     )
 
 
@@ -127,7 +152,7 @@ async def send_request(
     send_s = time.perf_counter() - t0
     times: list[float] = []
     usage: dict[str, Any] | None = None
-    status, error, finish, done = 0, None, None, False
+    status, error, finish = 0, None, None
     try:
         async with asyncio.timeout(opts.timeout_s):
             url = root_url + PATHS[opts.endpoint]
@@ -137,23 +162,13 @@ async def send_request(
                     body = await resp.text(errors="replace")
                     error = f"HTTP {status}: {body.strip()[:_MAX_ERROR_CHARS]}"
                 else:
-                    async for raw in resp.content:
-                        now = time.perf_counter() - t0
-                        event = parse_sse_line(raw)
-                        if event is None:
-                            continue
-                        if event.done:
-                            done = True
-                            break
-                        if event.error is not None:
-                            error = f"stream error: {event.error}"
-                            break
+                    async for event in sse_events(resp.content):
                         if event.text:
-                            times.append(now)
+                            times.append(time.perf_counter() - t0)
                         usage = event.usage or usage
                         finish = event.finish_reason or finish
-                    if error is None and not done:
-                        error = "the stream ended before [DONE]"
+    except StreamError as exc:
+        error = str(exc)
     except TimeoutError:
         error = f"timed out after {opts.timeout_s:g} s"
     except (aiohttp.ClientError, OSError, ValueError) as exc:  # ValueError: a line too long

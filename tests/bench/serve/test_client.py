@@ -68,7 +68,9 @@ def test_parse_sse_line() -> None:
     ev = parse_sse_line(b'data: {"choices":[{"text":"hi","finish_reason":null}]}\n')
     assert ev is not None and ev.text == "hi" and ev.usage is None and ev.error is None
     ev = parse_sse_line('data:{"choices":[{"delta":{"content":"yo"},"finish_reason":"stop"}]}')
-    assert ev is not None and ev.text == "yo" and ev.finish_reason == "stop"
+    assert ev is not None and ev.text == "yo" and ev.finish_reason == "stop" and ev.id == ""
+    ev = parse_sse_line('data: {"id":"chatcmpl-7","choices":[{"delta":{"content":"a"}}]}')
+    assert ev is not None and ev.id == "chatcmpl-7"
     ev = parse_sse_line('data: {"choices":[{"delta":{"role":"assistant","content":""}}]}')
     assert ev is not None and ev.text == ""
     ev = parse_sse_line('data: {"choices":[],"usage":{"completion_tokens":3}}')
