@@ -7,6 +7,17 @@ import grpc
 from engine.errors import CapacityError, InvalidRequestError, ResourceExhaustedError
 from transfer.errors import TransferError, TransferTimeout
 
+# Trailing metadata between the workers and the gateway (docs/api.md, "Metadata keys").
+# On DecodeWorker.Generate's error when its Prefill failed: the prefill worker at fault.
+FAILED_WORKER_KEY = "pdserve-failed-worker-id"
+# On Prefill's error when the writer is known to have stopped: the blocks are free now.
+KV_FENCED = ("pdserve-kv-fenced", "1")
+
+
+def kv_fenced(e: grpc.aio.AioRpcError) -> bool:
+    """Whether a failed Prefill call says its writer stopped (``KV_FENCED``)."""
+    return KV_FENCED in tuple(e.trailing_metadata() or ())
+
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
     if isinstance(exc, InvalidRequestError | CapacityError):

@@ -77,8 +77,9 @@ def run(
 
     configure_logging(service, level)
     if faults is not None and faults.faults:  # parsed only when set: transfer pulls in torch
-        rpc_faults.install(faults.plan)
-        log.warning("faults_injected", plan=str(faults.plan))
+        plan = faults.plan
+        rpc_faults.install(plan)
+        log.warning("faults_injected", plan=str(plan))
     if cluster is not None:
         try:
             cluster_auth.install(cluster_auth.load(cluster), service)

@@ -33,8 +33,9 @@ from engine.output_processor import RequestOutput
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common import cluster_auth, metrics
+from services.common.background import Background
 from services.common.convert import finish_to_proto, handle_to_proto, sampling_from_proto, usage
-from services.common.grpc_errors import abort_with, status_for
+from services.common.grpc_errors import FAILED_WORKER_KEY, abort_with, kv_fenced, status_for
 from transfer.handle import MemoryRegionHandle
 
 log = structlog.get_logger(__name__)
@@ -44,7 +45,6 @@ PREFILL_DEADLINE_S = 30.0
 # this long after the deadline counted from the send: the delay to receipt, and bytes already
 # in a socket buffer, land well within it.
 LEASE_GRACE_S = 2.0
-FAILED_WORKER_KEY = "pdserve-failed-worker-id"
 
 
 class UpstreamError(Exception):
@@ -56,10 +56,6 @@ class UpstreamError(Exception):
         self.code = code
         self.message = message
         self.failed_worker_id = failed_worker_id
-
-
-def _fenced(e: grpc.aio.AioRpcError) -> bool:
-    return ("pdserve-kv-fenced", "1") in tuple(e.trailing_metadata() or ())
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -80,7 +76,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.prefill_deadline_s = prefill_deadline_s
         self.worker_id = worker_id
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._fences: set[asyncio.Task[None]] = set()
+        self._fences = Background()
         self._attempts = itertools.count()
         self.inflight = 0
         self.kv_bytes_received = 0
@@ -202,7 +198,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self._fence(rid, call, lease_end)
             raise
         except grpc.aio.AioRpcError as e:
-            if _fenced(e):
+            if kv_fenced(e):
                 await self.aengine.release(rid)
                 metrics.KV_FENCES.labels(self.role, "confirmed").inc()
             else:
@@ -231,7 +227,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 await asyncio.wait_for(asyncio.shield(call), max(0.0, lease_end - time.monotonic()))
                 how = "confirmed"  # it delivered after all, into blocks nobody reads
             except grpc.aio.AioRpcError as e:
-                if _fenced(e):
+                if kv_fenced(e):
                     how = "confirmed"
             except (TimeoutError, asyncio.CancelledError):
                 pass
@@ -241,9 +237,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             metrics.KV_FENCES.labels(self.role, how).inc()
             log.info("kv_fence_released", request_id=rid, how=how)
 
-        task = asyncio.get_running_loop().create_task(release())
-        self._fences.add(task)  # held until done: the loop keeps only weak references
-        task.add_done_callback(self._fences.discard)
+        self._fences.spawn(release())
 
     def _event(self, out: RequestOutput, kv_bytes: int, prefill_id: str) -> worker_pb2.DecodeEvent:
         ev = worker_pb2.DecodeEvent(

@@ -31,7 +31,9 @@ from engine.block_hash import hash_blocks
 from engine.errors import InvalidRequestError, ResourceExhaustedError
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common import cluster_auth
+from services.common.background import Background
 from services.common.convert import finish_from_proto, sampling_to_proto
+from services.common.grpc_errors import FAILED_WORKER_KEY
 from services.common.reconnect import SCHEDULER_CHANNEL_OPTIONS
 from services.gateway.backend import BackendUnavailableError, GenerateChunk, GenerateInput
 
@@ -42,7 +44,6 @@ PLACE_TIMEOUT_S = 5.0
 # blocks may be held by a KV lease for a while), it waits this long for room, not a 429.
 MIGRATION_ROOM_WAIT_S = 60.0
 HASH_BLOCK_SIZE = 16
-FAILED_WORKER_KEY = "pdserve-failed-worker-id"  # set by a decode worker whose prefill failed
 # A broken stream's status: the worker is gone or failing, not the request at fault.
 _BROKEN = frozenset(
     {
@@ -121,7 +122,7 @@ class ClusterBackend:
         self.on_migration: Callable[[str], None] = lambda cause: None
         self._sched_channel: grpc.aio.Channel | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._background = Background()
 
     def start(self) -> None:
         """Open the scheduler channel; call on the event loop that will use it."""
@@ -291,6 +292,4 @@ class ClusterBackend:
             except grpc.aio.AioRpcError as e:
                 log.debug("outcome_report_failed", code=e.code().name)
 
-        task = asyncio.get_running_loop().create_task(send())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._background.spawn(send())

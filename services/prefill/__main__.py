@@ -24,8 +24,9 @@ async def _main(cfg: PrefillConfig) -> None:
 
     aengine = build_engine(cfg.engine, cfg.tuning, prefill_token_budget=cfg.prefill_token_budget)
     transports = {n: get_transport(n, **cfg.transport_options(n)) for n in cfg.transports}
+    faults = cfg.fault_args.plan  # none unless --faults / PDSERVE_FAULTS says
     for t in transports.values():
-        t.inject_faults(cfg.fault_args.plan)  # none unless --faults / PDSERVE_FAULTS says
+        t.inject_faults(faults)
     server = process.GrpcServer(
         ["pdserve.v1.PrefillWorker"], cfg.worker.host, cfg.worker.port,
         advertise_host=cfg.worker.advertise_host, auth=cluster_auth.installed(),

@@ -27,8 +27,9 @@ from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common import metrics
+from services.common.background import Background
 from services.common.convert import handle_from_proto, sampling_from_proto
-from services.common.grpc_errors import abort_with
+from services.common.grpc_errors import KV_FENCED, abort_with
 from services.common.placement_token import PlacementTokenError, verify_write
 from transfer.base import KVSource, TransferJob, TransferResult, Transport
 from transfer.errors import IncompatibleLayoutError, TransferError
@@ -41,7 +42,6 @@ DEFAULT_DEADLINE_S = 30.0
 # deadline); later, the writer is taken for stuck.
 OUTCOME_GRACE_S = 5.0
 ROLE = "prefill"
-FENCED = (("pdserve-kv-fenced", "1"),)
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -60,7 +60,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         eng = aengine.engine
         self.source = KVSource(eng.kv.as_bytes(), KVLayout.from_spec(eng.kv_spec))
         self.inflight = 0
-        self._releases: set[asyncio.Task[None]] = set()
+        self._releases = Background()
         # Engine keys are per call: a request placed again (a migration, a retry) may reach
         # this worker while its earlier attempt's blocks are still held for a transfer.
         self._calls = itertools.count()
@@ -201,14 +201,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     ) -> NoReturn:
         metrics.ERRORS.labels(ROLE, type(e).__name__).inc()
         if fenced:
-            context.set_trailing_metadata(FENCED)
+            context.set_trailing_metadata((KV_FENCED,))
         await abort_with(context, e)
         raise AssertionError("unreachable") from e
 
     def _release_later(self, rid: str, job: TransferJob | None) -> None:
-        task = asyncio.get_running_loop().create_task(self._release_when_stopped(rid, job))
-        self._releases.add(task)  # held until done: the loop keeps only weak references
-        task.add_done_callback(self._releases.discard)
+        self._releases.spawn(self._release_when_stopped(rid, job))
 
     async def _release_when_stopped(self, rid: str, job: TransferJob | None) -> None:
         """Release the request's local blocks once no transfer reads them any more."""
@@ -229,7 +227,7 @@ async def _refuse(
     context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str
 ) -> NoReturn:
     """Refuse a call before any writer began: nothing was written."""
-    context.set_trailing_metadata(FENCED)
+    context.set_trailing_metadata((KV_FENCED,))
     await context.abort(code, message)
     raise AssertionError("unreachable")
 

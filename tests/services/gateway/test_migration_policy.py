@@ -5,7 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.gateway.cluster_backend import FAILED_WORKER_KEY, _broken
+from services.common.grpc_errors import FAILED_WORKER_KEY
+from services.gateway.cluster_backend import _broken
 
 
 def _error(code: grpc.StatusCode, failed: str | None = None) -> grpc.aio.AioRpcError:
