@@ -210,16 +210,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def _release_when_stopped(self, rid: str, job: TransferJob | None) -> None:
         """Release the request's local blocks once no transfer reads them any more."""
-        if job is not None:
-            try:
-                await _outcome(job)
-            except TransferError:
-                pass  # failed: its writer stopped reading the source
-            except TimeoutError:
-                # The writer never reported back: its blocks are leaked, not reused under
-                # a copy that may still run.
-                log.error("transfer_outcome_lost", request_id=rid)
-                return
+        if job is not None and not await _stopped(job):
+            # The writer never reported back: its blocks are leaked, not reused under a
+            # copy that may still run.
+            log.error("transfer_outcome_lost", request_id=rid)
+            return
         await self.aengine.release(rid)
 
 
@@ -233,14 +228,15 @@ async def _refuse(
 
 
 async def _stopped(job: TransferJob) -> bool:
-    """Whether an aborted job's writer came back (it no longer touches the destination)."""
+    """Whether a job's writer reported its outcome (success or failure) by the deadline plus
+    grace: it no longer touches the source or the destination."""
     try:
         await _outcome(job)
     except TransferError:
         return True
     except TimeoutError:
         return False
-    return True  # it had finished before the abort
+    return True
 
 
 async def _outcome(job: TransferJob) -> TransferResult:
