@@ -41,6 +41,22 @@ class GenerateInput:
 
 
 @dataclass(frozen=True)
+class ServedBy:
+    """Which workers served a request and the KV it moved: the last chunk's ``served_by``.
+
+    ``prefill_worker_id``: the prefill worker that computed the prompt (empty when the decode
+    worker prefilled it itself, or with an in-process engine). ``decode_worker_id``: the
+    worker that generated the tokens (empty with an in-process engine). ``kv_transfer_bytes``:
+    KV bytes the prefill worker wrote into the decode worker for this request (0 for a local
+    prefill). After a migration, all three describe the attempt that finished.
+    """
+
+    prefill_worker_id: str = ""
+    decode_worker_id: str = ""
+    kv_transfer_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class GenerateChunk:
     """One streamed step of a generation.
 
@@ -51,6 +67,7 @@ class GenerateChunk:
     The token counts are running totals for the request. ``produced_unix_ns``: when the
     tokens left the engine's process (the decode worker's stamp, or when an in-process
     engine handed them over); wall clock, for measuring the serving path's delay.
+    ``served_by``: set on the last chunk by backends that know it (``ServedBy()`` otherwise).
     """
 
     text_delta: str
@@ -61,6 +78,7 @@ class GenerateChunk:
     completion_tokens: int
     cached_tokens: int = 0
     produced_unix_ns: int = 0
+    served_by: ServedBy = ServedBy()
 
 
 class Backend(Protocol):

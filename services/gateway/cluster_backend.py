@@ -35,7 +35,12 @@ from services.common.background import Background
 from services.common.convert import finish_from_proto, sampling_to_proto
 from services.common.grpc_errors import FAILED_WORKER_KEY
 from services.common.reconnect import SCHEDULER_CHANNEL_OPTIONS
-from services.gateway.backend import BackendUnavailableError, GenerateChunk, GenerateInput
+from services.gateway.backend import (
+    BackendUnavailableError,
+    GenerateChunk,
+    GenerateInput,
+    ServedBy,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -100,6 +105,31 @@ def _error_for(e: grpc.aio.AioRpcError, what: str) -> Exception:
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ResourceExhaustedError(details or f"{what}: no capacity")
     return BackendUnavailableError(f"{what}: {code.name}: {details}")
+
+
+def chunk_from_event(
+    ev: worker_pb2.DecodeEvent, req: GenerateInput, completion_tokens: int, decode_worker_id: str
+) -> GenerateChunk:
+    """The chunk of one decode event; ``completion_tokens``: the running total with it.
+    The last event's usage, prefill worker and KV bytes, and the decode worker that sent it,
+    go on the last chunk only."""
+    reason = finish_from_proto(ev.finish_reason)
+    last = reason is not None
+    return GenerateChunk(
+        text_delta=ev.text,
+        token_ids=tuple(ev.token_ids),
+        logprobs=tuple(ev.logprobs) if req.params.logprobs else (),
+        finish_reason=reason,
+        prompt_tokens=len(req.prompt_token_ids),
+        completion_tokens=completion_tokens,
+        cached_tokens=ev.usage.cached_tokens if last else 0,
+        produced_unix_ns=ev.produced_unix_ns,
+        served_by=(
+            ServedBy(ev.prefill_worker_id, decode_worker_id, ev.kv_transfer_bytes)
+            if last
+            else ServedBy()
+        ),
+    )
 
 
 class ClusterBackend:
@@ -256,16 +286,7 @@ class ClusterBackend:
                     outcome.finish_reason = ev.finish_reason
                     outcome.usage.CopyFrom(ev.usage)
                     outcome.kv_transfer_bytes = ev.kv_transfer_bytes
-                yield GenerateChunk(
-                    text_delta=ev.text,
-                    token_ids=tuple(ev.token_ids),
-                    logprobs=tuple(ev.logprobs) if req.params.logprobs else (),
-                    finish_reason=reason,
-                    prompt_tokens=len(req.prompt_token_ids),
-                    completion_tokens=completion,
-                    cached_tokens=ev.usage.cached_tokens if reason else 0,
-                    produced_unix_ns=ev.produced_unix_ns,
-                )
+                yield chunk_from_event(ev, req, completion, decode.worker_id)
         except grpc.aio.AioRpcError as e:
             if finished:  # the worker went away after its last event: the stream is whole
                 log.info("decode_lost_after_finish", request_id=req.request_id)

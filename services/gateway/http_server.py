@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.errors import EngineError
 from services.gateway import openai_responses as out
-from services.gateway.backend import GenerateChunk, GenerateInput
+from services.gateway.backend import GenerateChunk, GenerateInput, ServedBy
 from services.gateway.openai_api import (
     ApiError,
     ChatRequest,
@@ -173,6 +173,7 @@ class _Result:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     usage: dict[str, Any] = field(default_factory=dict)
+    served_by: ServedBy = field(default_factory=ServedBy)
 
 
 async def _collect(stream: AsyncIterator[GenerateChunk], prompt_param: str) -> _Result:
@@ -184,6 +185,7 @@ async def _collect(stream: AsyncIterator[GenerateChunk], prompt_param: str) -> _
         r.logprobs.extend(c.logprobs)
         r.finish_reason = c.finish_reason
         r.usage = out.usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
+        r.served_by = c.served_by
     r.text = "".join(parts)
     return r
 
@@ -292,8 +294,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
                     if inp.params.logprobs
                     else None
                 )
+                ext = out.extension(r.served_by)
                 return _json(
-                    out.completion(rid, created, model.name, r.text, r.finish_reason, lp, r.usage)
+                    out.completion(
+                        rid, created, model.name, r.text, r.finish_reason, lp, r.usage, ext
+                    )
                 )
             offset = 0
 
@@ -337,9 +342,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 lp = (
                     out.chat_logprobs(tok, r.token_ids, r.logprobs) if inp.params.logprobs else None
                 )
+                ext = out.extension(r.served_by)
                 return _json(
                     out.chat_completion(
-                        rid, created, model.name, r.text, r.finish_reason, lp, r.usage
+                        rid, created, model.name, r.text, r.finish_reason, lp, r.usage, ext
                     )
                 )
 
@@ -377,7 +383,7 @@ def _usage_frame(
 
     def frame(last: GenerateChunk) -> dict[str, Any]:
         usage = out.usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
-        return out.usage_chunk(rid, created, inp.model, obj, usage)
+        return out.usage_chunk(rid, created, inp.model, obj, usage, out.extension(last.served_by))
 
     return frame
 

@@ -3,6 +3,10 @@
 Pure builders of JSON-ready dicts in OpenAI's shapes: ``text_completion`` (completions, for
 whole responses and stream chunks alike), ``chat.completion`` and ``chat.completion.chunk``.
 A stream is ``sse(chunk)`` frames ending with ``SSE_DONE``.
+
+pdserve's extension: whole responses and the usage chunk of a stream also carry a
+``"pdserve"`` object (``extension``): the workers that served the request and the KV bytes
+it moved between them. OpenAI clients ignore unknown keys.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.tokenizer import Tokenizer
+from services.gateway.backend import ServedBy
 
 SSE_DONE = b"data: [DONE]\n\n"
 _MIN_LOGPROB = -9999.0  # JSON has no -Infinity; OpenAI clients expect a finite float
@@ -32,6 +37,17 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def extension(served_by: ServedBy) -> dict[str, Any]:
+    """The ``"pdserve"`` object: ``kv_transfer_bytes`` (KV the prefill worker wrote into the
+    decode worker for this request), ``prefill_worker_id`` and ``decode_worker_id`` ("" and
+    0 where there is none or the backend does not know)."""
+    return {
+        "kv_transfer_bytes": served_by.kv_transfer_bytes,
+        "prefill_worker_id": served_by.prefill_worker_id,
+        "decode_worker_id": served_by.decode_worker_id,
     }
 
 
@@ -87,8 +103,10 @@ def completion(
     finish_reason: str | None,
     logprobs: dict[str, Any] | None = None,
     usage: dict[str, Any] | None = None,
+    pdserve: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A ``text_completion`` object: a whole response (with usage) or one stream chunk."""
+    """A ``text_completion`` object: a whole response (with usage and the ``pdserve``
+    extension) or one stream chunk."""
     obj: dict[str, Any] = {
         "id": id,
         "object": "text_completion",
@@ -100,6 +118,8 @@ def completion(
     }
     if usage is not None:
         obj["usage"] = usage
+    if pdserve is not None:
+        obj["pdserve"] = pdserve
     return obj
 
 
@@ -111,8 +131,9 @@ def chat_completion(
     finish_reason: str | None,
     logprobs: dict[str, Any] | None,
     usage: dict[str, Any],
+    pdserve: dict[str, Any],
 ) -> dict[str, Any]:
-    """A whole ``chat.completion`` response."""
+    """A whole ``chat.completion`` response, with the ``pdserve`` extension."""
     return {
         "id": id,
         "object": "chat.completion",
@@ -127,6 +148,7 @@ def chat_completion(
             }
         ],
         "usage": usage,
+        "pdserve": pdserve,
     }
 
 
@@ -150,8 +172,11 @@ def chat_chunk(
     }
 
 
-def usage_chunk(id: str, created: int, model: str, obj: str, usage: dict[str, Any]) -> dict:
-    """The extra last chunk ``stream_options.include_usage`` asks for: no choices, usage."""
+def usage_chunk(
+    id: str, created: int, model: str, obj: str, usage: dict[str, Any], pdserve: dict[str, Any]
+) -> dict[str, Any]:
+    """The extra last chunk ``stream_options.include_usage`` asks for: no choices, usage and
+    the ``pdserve`` extension."""
     return {
         "id": id,
         "object": obj,
@@ -159,6 +184,7 @@ def usage_chunk(id: str, created: int, model: str, obj: str, usage: dict[str, An
         "model": model,
         "choices": [],
         "usage": usage,
+        "pdserve": pdserve,
     }
 
 

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP edge over the real model, driven by the official client.
 
-Greedy output equals the engine's own; streams end with ``data: [DONE]``; usage is right;
+Greedy output equals the engine's own; streams end with ``data: [DONE]``; usage is right,
+and whole responses and the usage chunk carry the ``pdserve`` extension;
 bad input gets OpenAI's error JSON with the right 4xx and the server keeps serving; a client
 that disconnects frees every KV block within a second.
 """
@@ -10,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import replace
 
 import aiohttp
 import openai
@@ -18,6 +22,8 @@ import pytest_asyncio
 from openai import AsyncOpenAI
 
 from engine.sampling_params import SamplingParams
+from services.gateway.backend import GenerateChunk, GenerateInput, ServedBy
+from services.gateway.engine_backend import EngineBackend
 from services.gateway.http_server import HttpServer, create_app
 from services.gateway.service import GatewayService
 from tests.services.gateway.harness import MAX_BODY, MAX_MODEL_LEN, MODEL, running_gateway
@@ -365,3 +371,56 @@ async def test_the_first_chunk_goes_out_before_the_start_is_logged(
         _sse_events(await r.read())
     assert order.count(name) == 1
     assert order.index(name) == before, order  # right after the first token's frames
+
+
+class _Served:
+    """The real engine backend, its last chunk stamped with where a cluster served it (what
+    ``ClusterBackend`` does from the decode worker's last event: test_cluster_backend.py)."""
+
+    SERVED = ServedBy(prefill_worker_id="prefill-1", decode_worker_id="decode-0",
+                      kv_transfer_bytes=737_280)  # fmt: skip
+
+    def __init__(self, inner: EngineBackend) -> None:
+        self.inner = inner
+
+    async def ready(self) -> bool:
+        return await self.inner.ready()
+
+    async def generate(self, req: GenerateInput) -> AsyncIterator[GenerateChunk]:
+        async with aclosing(self.inner.generate(req)) as chunks:
+            async for c in chunks:
+                yield replace(c, served_by=self.SERVED) if c.finish_reason else c
+
+
+async def test_whole_responses_and_the_usage_chunk_say_where_the_request_was_served(
+    gw, http
+) -> None:
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+            "ignore_eos": True, **GREEDY}  # fmt: skip
+    nothing = {"kv_transfer_bytes": 0, "prefill_worker_id": "", "decode_worker_id": ""}
+    # the in-process engine: one process, nothing moved
+    async with http.post(gw.base_url + "/v1/chat/completions", json=chat) as r:
+        assert (await r.json())["pdserve"] == nothing
+    served = {"kv_transfer_bytes": 737_280, "prefill_worker_id": "prefill-1",
+              "decode_worker_id": "decode-0"}  # fmt: skip
+    service = GatewayService(_Served(gw.backend), [gw.service.models[MODEL]])
+    server = HttpServer(create_app(service), "127.0.0.1", 0, drain_timeout_s=1.0)
+    base = f"http://127.0.0.1:{await server.start()}"
+    try:
+        async with http.post(base + "/v1/chat/completions", json=chat) as r:
+            assert (await r.json())["pdserve"] == served
+        body = {"model": MODEL, "prompt": "1, 2,", "max_tokens": 3, "ignore_eos": True, **GREEDY}
+        async with http.post(base + "/v1/completions", json=body) as r:
+            assert (await r.json())["pdserve"] == served
+        for path, req in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+            stream = {**req, "stream": True, "stream_options": {"include_usage": True}}
+            async with http.post(base + path, json=stream) as r:
+                chunks = [json.loads(e) for e in _sse_events(await r.read())[:-1]]
+            assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+            assert chunks[-1]["pdserve"] == served
+            assert all("pdserve" not in c for c in chunks[:-1])
+            async with http.post(base + path, json={**req, "stream": True}) as r:
+                chunks = [json.loads(e) for e in _sse_events(await r.read())[:-1]]
+            assert all("pdserve" not in c and "usage" not in c for c in chunks)  # not asked
+    finally:
+        await server.stop()
