@@ -8,6 +8,16 @@ exact token lengths (default model's tokenizer, or --tokenizer) and open with a 
 random nonce, so no server's prefix cache hits. Arrivals (fixed, dist): poisson, rate or
 concurrency; interference follows its own schedule.
 
+Prefix reuse (chat): ``multi-turn`` (--sessions conversations of --turns turns over one
+shared system prompt; each turn sends the whole conversation so far, the model's earlier
+answers included, once the previous turn is answered) and ``shared-prefix`` (--users
+one-turn requests over --system-prompts system prompts). --concurrency sessions run at
+once. Each system prompt opens with a fresh nonce (no two runs share a cached block) and
+so does each session's first user message (sessions share the system prompt, nothing
+else). Reported besides latency: prompt tokens cached vs computed (the server's
+usage.prompt_tokens_details.cached_tokens), KV bytes moved per request and the same per
+worker (pdserve's "pdserve" response object; docs/api.md).
+
 Goodput: a request is good when it succeeded, its TTFT <= --slo-ttft-ms and every one of its
 inter-token gaps <= --slo-itl-ms (an SLO not given is not checked). Failed requests are never
 good; goodput is good requests per second of the run.
@@ -19,12 +29,17 @@ import argparse
 import asyncio
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.serve.arrival import Arrival, Concurrency, FixedRate, Poisson, Schedule
-from bench.serve.workload import RequestSpec
 
-WORKLOADS = ("fixed", "dist", "interference")
+if TYPE_CHECKING:
+    from bench.serve.client import Endpoint
+    from bench.serve.sessions import Session
+    from bench.serve.workload import RequestSpec
+
+SESSION_WORKLOADS = ("multi-turn", "shared-prefix")
+WORKLOADS = ("fixed", "dist", "interference", *SESSION_WORKLOADS)
 ARRIVALS = ("poisson", "rate", "concurrency")
 
 
@@ -44,8 +59,9 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--endpoint",
         choices=("completions", "chat"),
-        default="completions",
-        help="/v1/completions or /v1/chat/completions (default: %(default)s)",
+        default=None,
+        help="/v1/completions or /v1/chat/completions (default: chat for multi-turn and "
+        "shared-prefix, which need it, else completions)",
     )
     g.add_argument(
         "--prompt-format",
@@ -56,9 +72,10 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help="ask the server to ignore EOS so outputs have the asked length "
-        "(vLLM/llama-server extension; default: on)",
+        "(vLLM/llama-server extension; default: on, but off for multi-turn and "
+        "shared-prefix, whose answers go back into the conversation as the model ended them)",
     )
     g.add_argument(
         "--tokenizer",
@@ -149,7 +166,31 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
         help="interference: this many long prompts (default: until the streams finish)",
     )
 
-    a = p.add_argument_group("arrival (fixed, dist)")
+    c = p.add_argument_group("conversations (multi-turn, shared-prefix; --output-tokens each)")
+    c.add_argument("--sessions", type=int, default=8, help="multi-turn (default: %(default)s)")
+    c.add_argument(
+        "--turns", type=int, default=4, help="multi-turn: turns a session (default: %(default)s)"
+    )
+    c.add_argument(
+        "--system-prompts", type=int, default=4, help="shared-prefix (default: %(default)s)"
+    )
+    c.add_argument(
+        "--users", type=int, default=32, help="shared-prefix: requests (default: %(default)s)"
+    )
+    c.add_argument(
+        "--system-tokens",
+        type=int,
+        default=512,
+        help="words (one token each) of a system prompt (default: %(default)s)",
+    )
+    c.add_argument(
+        "--user-tokens",
+        type=int,
+        default=64,
+        help="words of a user message (default: %(default)s)",
+    )
+
+    a = p.add_argument_group("arrival (fixed, dist; conversations: --concurrency)")
     a.add_argument(
         "--arrival",
         choices=ARRIVALS,
@@ -157,7 +198,9 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
         help="poisson at --rate (default), fixed --rate, or closed loop at --concurrency",
     )
     a.add_argument("--rate", type=float, default=1.0, help="requests/s (default: 1)")
-    a.add_argument("--concurrency", type=int, default=4, help="in flight (default: 4)")
+    a.add_argument(
+        "--concurrency", type=int, default=4, help="in flight, or sessions at once (default: 4)"
+    )
 
     o = p.add_argument_group("SLOs and output")
     o.add_argument(
@@ -190,12 +233,31 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def endpoint_from_args(args: argparse.Namespace) -> Endpoint:
+    """The endpoint to send to; ``ValueError`` when the workload cannot use the one asked."""
+    if args.workload in SESSION_WORKLOADS:
+        if args.endpoint == "completions":
+            raise ValueError(f"{args.workload} sends chat messages: drop --endpoint completions")
+        return "chat"
+    return args.endpoint or "completions"
+
+
+def ignore_eos_from_args(args: argparse.Namespace) -> bool:
+    if args.ignore_eos is not None:
+        return bool(args.ignore_eos)
+    return args.workload not in SESSION_WORKLOADS
+
+
 def arrival_from_args(args: argparse.Namespace) -> Arrival:
     """The arrival pattern the flags ask for; ``ValueError`` when they do not fit."""
     if args.workload == "interference":
         if args.arrival is not None:
             raise ValueError("the interference workload follows its own schedule: drop --arrival")
         return Schedule()
+    if args.workload in SESSION_WORKLOADS:
+        if args.arrival not in (None, "concurrency"):
+            raise ValueError(f"{args.workload} runs --concurrency sessions at once: drop --arrival")
+        return Concurrency(args.concurrency)
     kind = args.arrival or "poisson"
     if kind == "poisson":
         return Poisson(args.rate, args.seed)
@@ -209,7 +271,7 @@ def workload_from_args(args: argparse.Namespace) -> tuple[list[RequestSpec], dic
     from bench.serve import workload as wl
 
     tokenizer = wl.default_tokenizer(args.tokenizer)
-    chat = args.endpoint == "chat"
+    chat = endpoint_from_args(args) == "chat"
     common = {"seed": args.seed, "chat": chat}
     params: dict[str, Any]
     if args.workload == "fixed":
@@ -254,13 +316,37 @@ def workload_from_args(args: argparse.Namespace) -> tuple[list[RequestSpec], dic
             "long_count": args.long_count,
         }
         specs = wl.build_interference(tokenizer, **params, **common)
-    config = {
+    return specs, _config(args, params)
+
+
+def sessions_from_args(args: argparse.Namespace) -> tuple[list[Session], dict[str, Any]]:
+    """The conversations of ``multi-turn`` / ``shared-prefix``, and their config."""
+    from bench.serve import sessions as ss
+    from bench.serve.workload import default_tokenizer
+
+    tokenizer = default_tokenizer(args.tokenizer)
+    lengths = {
+        "system_tokens": args.system_tokens,
+        "user_tokens": args.user_tokens,
+        "output_tokens": args.output_tokens,
+    }
+    params: dict[str, Any]
+    if args.workload == "multi-turn":
+        params = {"sessions": args.sessions, "turns": args.turns, **lengths}
+        built = ss.build_multi_turn(tokenizer, **params, seed=args.seed)
+    else:
+        params = {"system_prompts": args.system_prompts, "users": args.users, **lengths}
+        built = ss.build_shared_prefix(tokenizer, **params, seed=args.seed)
+    return built, _config(args, params)
+
+
+def _config(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
+    return {
         "workload": args.workload,
         **params,
         "seed": args.seed,
         "tokenizer": str(args.tokenizer) if args.tokenizer else "default",
     }
-    return specs, config
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -273,32 +359,50 @@ def run_bench(args: argparse.Namespace) -> int:
     from bench._common import write_json
     from bench.serve.metrics import Slo, summarize_by_tag
     from bench.serve.report import summary_table
+    from bench.serve.reuse import reuse_table, summarize_reuse_by_tag, worker_table
     from bench.serve.runner import run_benchmark
+    from bench.serve.session_runner import run_sessions
 
-    try:
-        arrival = arrival_from_args(args)
-        specs, workload_config = workload_from_args(args)
-    except ValueError as exc:
-        print(f"pdserve bench: {exc}", file=sys.stderr)
-        return 2
     slo = None
     if args.slo_ttft_ms is not None or args.slo_itl_ms is not None:
         slo = Slo(ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms)
     try:
-        result = asyncio.run(
-            run_benchmark(
+        endpoint = endpoint_from_args(args)
+        arrival = arrival_from_args(args)
+        ignore_eos = ignore_eos_from_args(args)
+        if args.workload in SESSION_WORKLOADS:
+            sessions, workload_config = sessions_from_args(args)
+            config = {**workload_config, "slo": vars(slo) if slo else None}
+            run = run_sessions(
+                args.base_url,
+                sessions,
+                model=args.model,
+                concurrency=args.concurrency,
+                timeout_s=args.timeout_s,
+                progress=not args.no_progress,
+                ignore_eos=ignore_eos,
+                config=config,
+            )
+        else:
+            specs, workload_config = workload_from_args(args)
+            config = {**workload_config, "slo": vars(slo) if slo else None}
+            run = run_benchmark(
                 args.base_url,
                 specs,
                 model=args.model,
                 arrival=arrival,
                 timeout_s=args.timeout_s,
                 progress=not args.no_progress,
-                endpoint=args.endpoint,
+                endpoint=endpoint,
                 prompt_format=args.prompt_format,
-                ignore_eos=args.ignore_eos,
-                config={**workload_config, "slo": vars(slo) if slo else None},
+                ignore_eos=ignore_eos,
+                config=config,
             )
-        )
+    except ValueError as exc:
+        print(f"pdserve bench: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = asyncio.run(run)
     except ValueError as exc:
         print(f"pdserve bench: {exc}", file=sys.stderr)
         return 2
@@ -306,21 +410,35 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"pdserve bench: {args.base_url}: {exc or type(exc).__name__}", file=sys.stderr)
         return 1
     summaries = summarize_by_tag(result, slo)
+    reuse = summarize_reuse_by_tag(result)
     cfg = result.config
-    dropped = f", {cfg['dropped']} not sent (scheduled after the streams finished)"
+    dropped = f", {cfg['dropped']} not sent" + (
+        " (a turn before failed)"
+        if args.workload in SESSION_WORKLOADS
+        else " (scheduled after the streams finished)"
+    )
     print(
-        f"model {cfg['model']} at {args.base_url} ({args.endpoint}), workload {args.workload}: "
+        f"model {cfg['model']} at {args.base_url} ({endpoint}), workload {args.workload}: "
         f"{len(result.records)} requests in {result.duration_s:.2f} s"
         + (dropped if cfg["dropped"] else "")
     )
     print(summary_table(summaries))
+    if reuse["all"].total.requests:  # the server reported cached tokens
+        print("\nprefix reuse:")
+        print(reuse_table(reuse))
+        print("\nby the worker that computed the prompt:")
+        print(worker_table(reuse["all"]))
     errors = sorted({r.error for r in result.records if r.error})
     for err in errors[:5]:
         print(f"failed: {err}")
     if args.json is not None:
         write_json(
             args.json,
-            {**result.to_dict(), "summaries": {k: s.to_dict() for k, s in summaries.items()}},
+            {
+                **result.to_dict(),
+                "summaries": {k: s.to_dict() for k, s in summaries.items()},
+                "reuse": {k: s.to_dict() for k, s in reuse.items()},
+            },
         )
         print(f"wrote {args.json}")
     if args.plot_dir is not None:

@@ -34,18 +34,21 @@ class ClientOptions:
     ``endpoint``: ``/v1/completions`` or ``/v1/chat/completions``. ``prompt_format``
     (completions only): token ids (``prompt: [ids]``) or text. ``ignore_eos``: the
     vLLM/llama-server extension that makes every output as long as ``max_tokens``.
-    ``timeout_s``: deadline of each request, from send to the last byte.
+    ``timeout_s``: deadline of each request, from send to the last byte. ``keep_text``:
+    record the generated text (a conversation sends it back in its next turn).
     """
 
     endpoint: Endpoint = "completions"
     prompt_format: PromptFormat = "ids"
     ignore_eos: bool = True
     timeout_s: float = 300.0
+    keep_text: bool = False
 
 
 @dataclass(frozen=True)
 class SseEvent:
-    """What one ``data:`` line said. ``text``: the chunk's generated text (may be empty)."""
+    """What one ``data:`` line said. ``text``: the chunk's generated text (may be empty).
+    ``pdserve``: pdserve's extension object (docs/api.md), in the usage chunk."""
 
     text: str = ""
     usage: dict[str, Any] | None = None
@@ -53,6 +56,7 @@ class SseEvent:
     error: str | None = None
     done: bool = False
     id: str = ""  # the chunk's ``id`` (the server's request id), "" if it has none
+    pdserve: dict[str, Any] | None = None
 
 
 class StreamError(Exception):
@@ -85,7 +89,9 @@ def request_body(spec: RequestSpec, model: str, opts: ClientOptions) -> dict[str
     }
     if opts.ignore_eos:
         body["ignore_eos"] = True
-    if opts.endpoint == "chat":
+    if opts.endpoint == "chat" and spec.messages:
+        body["messages"] = [{"role": m.role, "content": m.content} for m in spec.messages]
+    elif opts.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": spec.prompt_text}]
     elif opts.prompt_format == "ids":
         body["prompt"] = list(spec.prompt_ids)
@@ -128,11 +134,13 @@ def parse_sse_line(line: bytes | str) -> SseEvent | None:
         text = content if isinstance(content, str) else ""
     usage = obj.get("usage")
     rid = obj.get("id")
+    ext = obj.get("pdserve")
     return SseEvent(
         text=text,
         usage=usage if isinstance(usage, dict) else None,
         finish_reason=finish,
         id=rid if isinstance(rid, str) else "",
+        pdserve=ext if isinstance(ext, dict) else None,
     )
 
 
@@ -151,7 +159,9 @@ async def send_request(
     ``perf_counter`` reading); see the module docstring for how failures are recorded."""
     send_s = time.perf_counter() - t0
     times: list[float] = []
+    texts: list[str] = []
     usage: dict[str, Any] | None = None
+    ext: dict[str, Any] = {}
     status, error, finish = 0, None, None
     try:
         async with asyncio.timeout(opts.timeout_s):
@@ -165,7 +175,9 @@ async def send_request(
                     async for event in sse_events(resp.content):
                         if event.text:
                             times.append(time.perf_counter() - t0)
+                            texts.append(event.text)
                         usage = event.usage or usage
+                        ext = event.pdserve or ext
                         finish = event.finish_reason or finish
     except StreamError as exc:
         error = str(exc)
@@ -187,9 +199,26 @@ async def send_request(
         error=error,
         scheduled_s=scheduled_s,
         finish_reason=finish,
+        cached_tokens=_int((usage or {}).get("prompt_tokens_details"), "cached_tokens"),
+        kv_transfer_bytes=_int(ext, "kv_transfer_bytes"),
+        prefill_worker_id=_str(ext, "prefill_worker_id"),
+        decode_worker_id=_str(ext, "decode_worker_id"),
+        session=spec.session,
+        turn=spec.turn,
+        output_text="".join(texts) if opts.keep_text else None,
     )
 
 
 def _usage_int(usage: dict[str, Any] | None, key: str, fallback: int) -> int:
-    value = usage.get(key) if usage else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else fallback
+    value = _int(usage, key)
+    return fallback if value is None else value
+
+
+def _int(obj: object, key: str) -> int | None:
+    value = obj.get(key) if isinstance(obj, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _str(obj: object, key: str) -> str | None:
+    value = obj.get(key) if isinstance(obj, dict) else None
+    return value if isinstance(value, str) else None

@@ -20,6 +20,13 @@ class RequestRecord:
     several tokens (the event times are kept as they came). ``prompt_tokens``: from
     ``usage``, otherwise the length that was sent. ``status``: the HTTP status (0 when no
     response arrived). ``error``: why the request failed (``None``: it succeeded).
+
+    Prefix reuse, where the server says (``None`` where it did not): ``cached_tokens``
+    (``usage.prompt_tokens_details.cached_tokens``: prompt tokens not computed for this
+    request) and, from pdserve's ``"pdserve"`` response object, ``kv_transfer_bytes``,
+    ``prefill_worker_id`` and ``decode_worker_id`` (docs/api.md). Conversations: ``session``
+    and ``turn`` (0-based) of the request, and ``output_text``, the answer the next turn
+    sends back.
     """
 
     index: int
@@ -34,6 +41,13 @@ class RequestRecord:
     error: str | None = None
     scheduled_s: float | None = None
     finish_reason: str | None = None
+    cached_tokens: int | None = None
+    kv_transfer_bytes: int | None = None
+    prefill_worker_id: str | None = None
+    decode_worker_id: str | None = None
+    session: int | None = None
+    turn: int | None = None
+    output_text: str | None = None
 
     @property
     def ok(self) -> bool:

@@ -136,7 +136,7 @@ async def run_benchmark(
 
         try:
             if isinstance(arrival, Concurrency):
-                await _closed_loop(len(requests), arrival.limit, lambda i: one(i, None))
+                await closed_loop(len(requests), arrival.limit, lambda i: one(i, None))
             else:
                 if isinstance(arrival, Poisson | FixedRate):
                     offsets = open_loop_offsets(arrival, len(requests))
@@ -162,7 +162,8 @@ async def run_benchmark(
     return BenchResult(tuple(records), duration, started_at, run_config)
 
 
-async def _closed_loop(n: int, limit: int, one: Callable[[int], Awaitable[None]]) -> None:
+async def closed_loop(n: int, limit: int, one: Callable[[int], Awaitable[None]]) -> None:
+    """``one(0)`` ... ``one(n - 1)`` in order, at most ``limit`` running at once."""
     next_index = 0
 
     async def worker() -> None:

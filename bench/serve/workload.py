@@ -9,6 +9,8 @@
   running. Streams are tagged ``"stream"``, long prompts ``"long"``, everything else
   ``"request"``; the metrics split by tag.
 
+Conversations (multi-turn, shared system prompts) are built in ``bench.serve.sessions``.
+
 Schedule-driven workloads give each request its ``start_offset_s`` (seconds after the run
 starts); the others leave it ``None`` and the runner's arrival pattern decides. Prompt
 lengths are exact (see ``bench.serve.prompts``); each prompt opens with a fresh nonce.
@@ -31,6 +33,14 @@ MAX_SCHEDULED_LONG = 10_000
 
 
 @dataclass(frozen=True)
+class ChatMessage:
+    """One message of a chat request (``role``: system, user or assistant)."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
 class RequestSpec:
     """One request to send.
 
@@ -39,6 +49,10 @@ class RequestSpec:
     is the ``max_tokens`` asked for. ``start_offset_s``: when to send it, seconds after the
     run starts (``None``: the arrival pattern decides). ``while_tag``: send it only while a
     request with this tag is still unfinished (otherwise it is dropped, not sent).
+
+    Conversations (``sessions``): ``messages`` is the whole chat to send instead of one user
+    message of ``prompt_text``; its templated length is known only to the server, so
+    ``prompt_ids`` may be empty. ``session`` and ``turn`` say where it belongs.
     """
 
     prompt_ids: tuple[int, ...]
@@ -47,6 +61,9 @@ class RequestSpec:
     tag: str = TAG_REQUEST
     start_offset_s: float | None = None
     while_tag: str | None = None
+    messages: tuple[ChatMessage, ...] = ()
+    session: int | None = None
+    turn: int | None = None
 
     @property
     def prompt_tokens(self) -> int:

@@ -24,7 +24,7 @@ async def serve() -> AsyncIterator[Serve]:
     """``await serve(completions_handler, chat_handler=None)`` -> the server's root URL."""
     runners: list[web.AppRunner] = []
 
-    async def start(completions: Handler, chat: Handler | None = None) -> str:
+    async def start(completions: Handler | None, chat: Handler | None = None) -> str:
         runner, url = await start_app(make_app(completions, chat))
         runners.append(runner)
         return url

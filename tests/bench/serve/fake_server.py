@@ -32,13 +32,14 @@ async def start_stream(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-def make_app(completions: Handler, chat: Handler | None = None) -> web.Application:
+def make_app(completions: Handler | None, chat: Handler | None = None) -> web.Application:
     async def models(_: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
     app = web.Application()
     app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/completions", completions)
+    if completions is not None:
+        app.router.add_post("/v1/completions", completions)
     if chat is not None:
         app.router.add_post("/v1/chat/completions", chat)
     return app

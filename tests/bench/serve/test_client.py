@@ -15,7 +15,7 @@ from bench.serve.arrival import Concurrency, FixedRate, Schedule
 from bench.serve.client import ClientOptions, SseEvent, parse_sse_line, request_body
 from bench.serve.result import BenchResult
 from bench.serve.runner import root_url, run_benchmark
-from bench.serve.workload import RequestSpec
+from bench.serve.workload import ChatMessage, RequestSpec
 from tests.bench.serve.fake_server import (
     MODEL,
     Handler,
@@ -81,6 +81,25 @@ def test_parse_sse_line() -> None:
     assert ev is not None and ev.error is not None and "not JSON" in ev.error
 
 
+def test_usage_details_and_the_pdserve_object_are_read() -> None:
+    ext = {"kv_transfer_bytes": 7, "prefill_worker_id": "p", "decode_worker_id": "d"}
+    line = json.dumps({"choices": [], "usage": {"prompt_tokens": 3}, "pdserve": ext})
+    ev = parse_sse_line("data: " + line)
+    assert ev is not None and ev.pdserve == ext and ev.usage == {"prompt_tokens": 3}
+    ev = parse_sse_line('data: {"choices":[],"pdserve":"odd"}')
+    assert ev is not None and ev.pdserve is None
+
+
+def test_a_conversation_sends_its_messages() -> None:
+    conv = RequestSpec((), "q2", 4, messages=(ChatMessage("system", "S"), ChatMessage("user", "q1"),
+                       ChatMessage("assistant", "a1"), ChatMessage("user", "q2")))  # fmt: skip
+    body = request_body(conv, "m", ClientOptions(endpoint="chat", ignore_eos=False))
+    assert body["messages"] == [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"},
+    ]  # fmt: skip
+
+
 def test_request_body_and_root_url() -> None:
     s = spec(output=9)
     body = request_body(s, "m", ClientOptions())
@@ -106,6 +125,8 @@ async def test_stream_is_timed_chunk_by_chunk(serve: Serve) -> None:
     assert r.ok and r.status == 200 and r.error is None
     assert len(r.token_times_s) == 3
     assert r.completion_tokens == 5 and r.prompt_tokens == 3  # from usage
+    assert r.cached_tokens is None and r.kv_transfer_bytes is None  # usage said neither
+    assert r.output_text is None  # kept only for conversations
     assert r.finish_reason == "length"
     assert 0 <= r.send_s < r.token_times_s[0] <= r.token_times_s[1] <= r.token_times_s[2]
     assert r.token_times_s[2] <= r.end_s == result.duration_s

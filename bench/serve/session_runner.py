@@ -1,0 +1,105 @@
+"""Run conversations (``bench.serve.sessions``) against an OpenAI-compatible chat server.
+
+Lifecycle of a session: waiting for one of ``concurrency`` slots (closed loop over sessions)
+-> turn 0 sent -> its answer recorded -> turn 1 sent with that answer in its messages -> ...
+-> done. Turns of one session go one at a time, in order; sessions run side by side. A turn
+that fails ends its session: the turns after it cannot be built without its answer and are
+not sent (``config["dropped"]`` counts them). Every request has the client's deadline, so
+the run always ends.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+from tqdm import tqdm
+
+from bench.serve.arrival import Concurrency, describe
+from bench.serve.client import ClientOptions, send_request
+from bench.serve.result import BenchResult, RequestRecord
+from bench.serve.runner import closed_loop, fetch_model, root_url
+from bench.serve.sessions import Session, turn_request
+
+
+async def run_sessions(
+    base_url: str,
+    sessions: Sequence[Session],
+    *,
+    model: str | None = None,
+    concurrency: int = 4,
+    timeout_s: float = 300.0,
+    progress: bool = True,
+    ignore_eos: bool = False,
+    config: dict[str, Any] | None = None,
+) -> BenchResult:
+    """Send every session's turns (see the module docstring); up to ``concurrency`` sessions
+    at once. ``model``: the name to send (``None``: the first of ``/v1/models``).
+    ``timeout_s``: each request's deadline. Records are ordered by session, then turn; a
+    record's ``index`` is its place in that order whether or not the turns before it ran.
+    """
+    if timeout_s <= 0 or concurrency < 1:
+        raise ValueError(f"need timeout_s > 0 and concurrency >= 1, got {timeout_s}, {concurrency}")
+    opts = ClientOptions("chat", "ids", ignore_eos, timeout_s, keep_text=True)
+    root = root_url(base_url)
+    first_index = [0, *itertools.accumulate(s.turns for s in sessions)]
+    total = first_index[-1]
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=None), read_bufsize=1 << 20
+    ) as http:
+        if model is None:
+            model = await fetch_model(http, root, timeout_s)
+        records: list[RequestRecord] = []
+        dropped = 0
+        bar = tqdm(total=total, disable=not progress, unit="req", file=sys.stderr,
+                   dynamic_ncols=True)  # fmt: skip
+        started_at = time.time()
+        t0 = time.perf_counter()
+
+        async def converse(i: int) -> None:
+            nonlocal dropped
+            session, answers = sessions[i], []
+            for turn in range(session.turns):
+                record = await send_request(
+                    http,
+                    root,
+                    turn_request(session, turn, answers),
+                    index=first_index[i] + turn,
+                    model=model,
+                    opts=opts,
+                    t0=t0,
+                )
+                records.append(record)
+                bar.update(1)
+                if not record.ok:
+                    dropped += session.turns - turn - 1
+                    bar.total -= session.turns - turn - 1
+                    bar.refresh()
+                    return
+                answers.append(record.output_text or "")
+
+        try:
+            await closed_loop(len(sessions), concurrency, converse)
+        finally:
+            bar.close()
+    records.sort(key=lambda r: r.index)
+    run_config: dict[str, Any] = {
+        "base_url": base_url,
+        "model": model,
+        "endpoint": "chat",
+        "prompt_format": "text",
+        "ignore_eos": ignore_eos,
+        "timeout_s": timeout_s,
+        "arrival": {**describe(Concurrency(concurrency)), "of": "sessions"},
+        "num_requests": total,
+        "num_sessions": len(sessions),
+        "dropped": dropped,
+        **(config or {}),
+    }
+    duration = max((r.end_s for r in records), default=0.0)
+    return BenchResult(tuple(records), duration, started_at, run_config)
