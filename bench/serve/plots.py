@@ -26,7 +26,8 @@ def _streams(result: BenchResult) -> list[RequestRecord]:
     return streams or [r for r in result.records if r.tag != TAG_LONG]
 
 
-def _save(fig: Figure, path: Path) -> None:
+def save_png(fig: Figure, path: Path) -> None:
+    """Write ``fig`` to ``path`` as a PNG, creating parent folders."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)
@@ -64,10 +65,11 @@ def plot_itl_over_time(results: Mapping[str, BenchResult], path: Path) -> None:
         ax.set_xlabel("time since start (s)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("inter-token latency (ms)")
-    _save(fig, path)
+    save_png(fig, path)
 
 
-def _ecdf(ax: Axes, values: list[float], label: str) -> None:
+def ecdf(ax: Axes, values: list[float], label: str) -> None:
+    """The empirical CDF of ``values`` as a step line on ``ax`` (nothing when empty)."""
     if not values:
         return
     xs = sorted(values)
@@ -83,8 +85,8 @@ def plot_cdfs(results: Mapping[str, BenchResult], path: Path) -> None:
     ax_ttft, ax_itl = fig.subplots(1, 2)
     for label, result in results.items():
         ok = [r for r in result.records if r.ok]
-        _ecdf(ax_ttft, [t * MS for r in ok if (t := ttft(r)) is not None], label)
-        _ecdf(ax_itl, [g * MS for r in ok for g in itls(r)], label)
+        ecdf(ax_ttft, [t * MS for r in ok if (t := ttft(r)) is not None], label)
+        ecdf(ax_itl, [g * MS for r in ok for g in itls(r)], label)
     for ax, name in ((ax_ttft, "TTFT"), (ax_itl, "ITL")):
         ax.set_xlabel(f"{name} (ms)")
         ax.set_ylabel("fraction of samples")
@@ -93,4 +95,4 @@ def plot_cdfs(results: Mapping[str, BenchResult], path: Path) -> None:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="lower right", fontsize="small")
-    _save(fig, path)
+    save_png(fig, path)
