@@ -403,6 +403,8 @@ class SchedulerState:
         worker.state = report.state
         worker.load = report.load
         if report.cache_snapshot:
+            if self._metrics:
+                self._metrics.kv_events.labels("snapshot").inc()
             new = set(report.cached_added)
             self._update_cache(worker, added=new - worker.cached, removed=worker.cached - new)
             worker.needs_resync = False
@@ -440,6 +442,10 @@ class SchedulerState:
         worker.cached -= removed
         worker.cached |= added
         self._sink.update_prefixes(worker_id, added, removed)
+        if self._metrics:
+            self._metrics.kv_events.labels("added").inc(len(added))
+            self._metrics.kv_events.labels("removed").inc(len(removed))
+            self._metrics.prefix_blocks.set(len(self._index))
 
     def _place(self, request: PlaceRequest) -> Placement | Rejection:
         key = (request.request_id, request.attempt)
@@ -476,6 +482,7 @@ class SchedulerState:
         self._sink.record_placement(request, result)
         if self._metrics:
             self._metrics.placements.labels(result.mode.value).inc()
+            self._metrics.cache_hit_tokens.inc(result.expected_cached_tokens)
         return result
 
     def _outcome(self, outcome: Outcome) -> None:
@@ -521,6 +528,8 @@ class SchedulerState:
                 holders.discard(worker_id)
                 if not holders:
                     del self._index[block_hash]
+        if self._metrics:
+            self._metrics.prefix_blocks.set(len(self._index))
         if delete_key:
             self._sink.delete_worker(worker_id, worker.cached)
         else:
