@@ -424,7 +424,10 @@ class AsyncEngine:
             free_blocks=eng.blocks.num_free_blocks,
             total_blocks=eng.blocks.num_blocks,
             num_preemptions=eng.num_preemptions,
+            # Prompt tokens accepted and not computed yet: queued prefill-only prompts, and
+            # the prompts waiting in the batch scheduler (a local prefill).
             queued_prefill_tokens=sum(
                 j.plan.num_tokens - j.plan.num_cached_tokens for j in self._prefills
-            ),
+            )
+            + sum(seq.pending for seq in sched.waiting),
         )

@@ -22,6 +22,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.cache_events import CacheEventLog
 from engine.errors import EngineError, ResourceExhaustedError
 
 
@@ -76,8 +77,15 @@ class BlockManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int = 16, *, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        enable_prefix_caching: bool = True,
+        events: CacheEventLog | None = None,
     ) -> None:
+        """``events``: told every hash that enters or leaves the prefix cache (a worker
+        publishes them to the scheduler, ``engine.cache_events``)."""
         if num_blocks <= 0:
             raise BlockStateError(f"num_blocks must be positive, got {num_blocks}")
         if block_size <= 0:
@@ -90,6 +98,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._hash_of_block: dict[int, int] = {}
         self._block_of_hash: dict[int, int] = {}
+        self._events = events
 
     @property
     def num_free_blocks(self) -> int:
@@ -122,6 +131,8 @@ class BlockManager:
             block_hash = self._hash_of_block.pop(block_id, None)
             if block_hash is not None:
                 del self._block_of_hash[block_hash]
+                if self._events is not None:
+                    self._events.removed(block_hash)
             self._ref_counts[block_id] = 1
             blocks.append(block_id)
         return blocks
@@ -169,6 +180,8 @@ class BlockManager:
             return
         self._hash_of_block[block_id] = block_hash
         self._block_of_hash[block_hash] = block_id
+        if self._events is not None:
+            self._events.stored(block_hash)
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference to each block in ``block_ids`` (a block may appear more than once).
@@ -220,6 +233,12 @@ class BlockManager:
             block_hash = self._hash_of_block.pop(block_id, None)
             if block_hash is not None:
                 del self._block_of_hash[block_hash]
+                if self._events is not None:
+                    self._events.removed(block_hash)
+
+    def cached_hashes(self) -> list[int]:
+        """Every hash in the prefix cache now (held or evictable blocks)."""
+        return list(self._block_of_hash)
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the internal state is inconsistent. O(num_blocks)."""

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from engine.block_manager import BlockManager
+from engine.cache_events import CacheEventLog
 from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.errors import CapacityError, InvalidRequestError, ResourceExhaustedError
 from engine.kv_cache import KVCache, KVCacheSpec
@@ -133,8 +134,13 @@ class LLMEngine:
             dtype=config.torch_dtype,
         )
         self.kv = KVCache(self.kv_spec, kv_memory(self.kv_spec) if kv_memory else None)
+        # What the prefix cache gains and loses, for the worker to publish to the scheduler.
+        self.cache_events = CacheEventLog()
         self.blocks = BlockManager(
-            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            events=self.cache_events,
         )
         budget = config.max_num_batched_tokens or (
             512 if config.chunked_prefill else self.max_model_len

@@ -41,6 +41,8 @@ from services.common.config import cpu_list, tcp_congestion
 from services.common.engine_args import EngineArgs
 from services.common.settings import setting
 from services.launcher import Proc, Stack, default_log_dir, free_port, py, redis_proc
+from services.scheduler.model import Routing
+from services.scheduler.policy import LOCAL_PREFILL_MAX_TOKENS
 from services.supervisor import RestartPolicy, Supervisor
 
 TRANSPORTS = ("shm", "tcp")
@@ -68,6 +70,17 @@ class UpConfig:
     )
     heartbeat_ttl_s: float = setting(
         3.0, "the scheduler drops a worker silent this long", metavar="SECONDS"
+    )
+    routing: str = setting(
+        Routing.CACHE_AWARE.value,
+        "the scheduler's placement policy (cache-aware, least-loaded, round-robin)",
+        choices=[r.value for r in Routing],
+    )
+    local_prefill_max_tokens: int = setting(
+        LOCAL_PREFILL_MAX_TOKENS,
+        "decode workers prefill a request themselves when they would compute at most this "
+        "many prompt tokens (0: never)",
+        metavar="N",
     )
     host: str = setting("127.0.0.1", "address every service binds")
     http_port: int = setting(8000, "gateway OpenAI HTTP port (0: a free one)")
@@ -103,6 +116,8 @@ class UpConfig:
     engine: EngineArgs = field(default_factory=EngineArgs)
 
     def __post_init__(self) -> None:
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError("local_prefill_max_tokens must be >= 0")
         if not self.colocated and (self.prefill < 1 or self.decode < 1):
             raise ValueError("need at least one prefill and one decode worker")
         bad = sorted(set(self.transport) - set(TRANSPORTS))
@@ -185,7 +200,8 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
     sched = stack.start(Proc("scheduler", py(
         "services.scheduler", "--grpc-host", cfg.host, "--grpc-port", str(sched_port),
         "--metrics-port", "0", "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
-        "--heartbeat-ttl-s", str(cfg.heartbeat_ttl_s),
+        "--heartbeat-ttl-s", str(cfg.heartbeat_ttl_s), "--routing", cfg.routing,
+        "--local-prefill-max-tokens", str(cfg.local_prefill_max_tokens),
     ), control))  # fmt: skip
     stack.wait_ready(stack.procs)
     names = (

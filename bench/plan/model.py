@@ -47,6 +47,10 @@ so each prefill worker is an M/D/1 queue with rate λ/n_p):
     ITL_d = step(b̄)  on every gap (no prefill ever stalls a decode worker)
     prefill utilisation ρ_p = x S / n_p;  decode utilisation u_d = (x / n_d) G step(b_max) / b_max
     (the share of the worker's token rate at b_max that is used)
+    local prefill limit L = the largest s <= P with prefill(s) + step(max(b̄, 1)) <= I: a
+    request whose uncached part is at most L tokens may be prefilled on its decode worker
+    (the scheduler's --local-prefill-max-tokens) and the one step that computes it still
+    fits the ITL SLO (no gaps: L = 0, nothing to protect or to gain)
 
 Colocated (n_c workers, each doing both phases with continuous batching and no chunked
 prefill; a waiting prompt is prefilled before the next decode step; rate x = λ / n_c each):
@@ -154,6 +158,7 @@ class DisaggregatedPlan:
     decode_utilisation: float
     capacity: float  # req/s these workers serve within both SLOs
     goodput: float
+    local_prefill_max_tokens: int = 0  # L: what a decode worker may prefill itself
 
     @property
     def workers(self) -> int:
@@ -241,6 +246,24 @@ def max_batch_within(step: Callable[[float], float], limit_s: float, cap: int) -
     return best
 
 
+def local_prefill_limit(
+    prefill: Callable[[float], float], step_s: float, limit_s: float, cap: int
+) -> int:
+    """The largest s <= cap with prefill(s) + step_s <= limit_s (0 if none): the uncached
+    tokens a decode worker may prefill in place while the step that computes them still
+    fits the ITL SLO. ``prefill`` must increase with s."""
+    lo, hi = 0, cap
+    if prefill(1) + step_s > limit_s * (1 + _REL_TOL):
+        return 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if prefill(mid) + step_s <= limit_s * (1 + _REL_TOL):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def running_batch(step: Callable[[float], float], k: float, cap: float) -> float | None:
     """The mean running batch b solving b = k · step(b) (Little's law), or None when it
     exceeds ``cap``. ``k`` is requests/s × decode steps per request (0: empty batch)."""
@@ -279,6 +302,7 @@ class _Inputs:
     step: Callable[[float], float]
     b_max: int
     transfer_s: float  # X
+    prefill: Callable[[float], float]  # prefill(P) of the profile
 
 
 def _disaggregated(inp: _Inputs) -> DisaggregatedPlan | None:
@@ -316,6 +340,11 @@ def _disaggregated(inp: _Inputs) -> DisaggregatedPlan | None:
         decode_utilisation=decode_util,
         capacity=capacity,
         goodput=served,
+        local_prefill_max_tokens=0
+        if inp.gaps == 0
+        else local_prefill_limit(
+            inp.prefill, inp.step(max(batch, 1.0)), inp.workload.slo_itl_s, wl.prompt_tokens
+        ),
     )
 
 
@@ -426,7 +455,7 @@ def plan(profile: Profile, workload: Workload) -> Recommendation:
                 f"({_ms(step(1))} at {context:.0f} tokens of context): no deployment meets it"
             )
     exposed = exposed_transfer_s(profile.transfer_seconds(wl.prompt_tokens), s, profile.num_layers)
-    inp = _Inputs(wl, s, gaps, context, step, b_max, exposed)
+    inp = _Inputs(wl, s, gaps, context, step, b_max, exposed, profile.prefill_seconds)
     dis = _disaggregated(inp)
     col = _colocated(inp)
     if dis is None and col is None:

@@ -85,6 +85,9 @@ def _disaggregated_lines(plan: DisaggregatedPlan, rate: float) -> list[str]:
         f"(capacity {_rate(plan.capacity)} req/s)",
         f"  utilisation   prefill {plan.prefill_utilisation:.0%}, "
         f"decode {plan.decode_utilisation:.0%}",
+        f"  local prefill up to {plan.local_prefill_max_tokens} uncached prompt tokens on the "
+        "decode worker keep that step within the ITL SLO "
+        f"(--local-prefill-max-tokens {plan.local_prefill_max_tokens})",
     ]
 
 

@@ -103,9 +103,11 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Renew a worker's lease and report its load and prefix-cache changes.
+        """Renew a worker's lease and report its load and prefix-cache changes (KV events).
 
-        Caller: each registered worker, every heartbeat_interval_ms. Deadline: the interval.
+        Caller: each registered worker, every heartbeat_interval_ms, and sooner (at most every
+        50 ms) when its prefix cache changed, so placement sees a block soon after it is
+        cached. Deadline: 2 s.
         A worker whose lease (lease_ttl_ms) lapses without a successful heartbeat is considered
         dead: no new placements, and its requests are re-placed or migrated.
         Errors: NOT_FOUND (unknown worker_id: the lease lapsed or the scheduler lost its state;

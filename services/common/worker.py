@@ -158,7 +158,7 @@ async def serve_worker(
         info = worker_info(args, role, server, aengine.engine, transports, kv_region)
         registrar = Registrar(
             args.scheduler, info, lambda: load_snapshot(aengine, role),
-            interval_s=args.heartbeat_interval_s,
+            interval_s=args.heartbeat_interval_s, cache=aengine.engine.cache_events,
         )  # fmt: skip
         background.append(registrar.run())
 

@@ -11,7 +11,8 @@ from services.common.cluster_auth import ClusterAuthArgs
 from services.common.config import LOG_LEVELS, log_level
 from services.common.fault_args import FaultArgs
 from services.common.settings import setting
-from services.scheduler.policy import AdmissionLimits
+from services.scheduler.model import Routing
+from services.scheduler.policy import LOCAL_PREFILL_MAX_TOKENS, AdmissionLimits
 from services.scheduler.state import StateConfig
 
 ABOUT = "pdserve scheduler: placement, admission and the worker registry."
@@ -45,8 +46,18 @@ class SchedulerConfig:
         64, "sequences a worker may hold beyond its max_num_seqs (queued)"
     )
     max_queued_prompt_tokens: int = setting(65536, "cap on a prefill worker's prompt-token backlog")
+    routing: str = setting(
+        Routing.CACHE_AWARE.value,
+        "how placement chooses among workers with room: cache-aware (the prompt tokens each "
+        "would compute, from the prefix index its KV events feed, plus its backlog), "
+        "least-loaded or round-robin (both blind to caches; for comparison)",
+        choices=[r.value for r in Routing],
+    )
     local_prefill_max_tokens: int = setting(
-        0, "prompts this short are prefilled on the decode worker (0: never)"
+        LOCAL_PREFILL_MAX_TOKENS,
+        "a decode worker prefills a request itself when it would compute at most this many "
+        "prompt tokens (with cache-aware routing: the prompt minus what it caches; else the "
+        "whole prompt); `pdserve plan` prints the limit for a profile and ITL SLO (0: never)",
     )
     request_ttl_s: float = setting(3600.0, "TTL of request records in Redis")
     prefix_ttl_s: float = setting(3600.0, "TTL of prefix-index sets in Redis (renewed on add)")
@@ -106,6 +117,7 @@ class SchedulerConfig:
             heartbeat_interval_ms=self.heartbeat_interval_ms,
             queue_size=self.queue_size,
             limits=self.limits(),
+            routing=Routing(self.routing),
         )
 
 

@@ -57,6 +57,23 @@ class SchedulerMetrics:
             "restarted or came back)",
             registry=r,
         )
+        self.kv_events = Counter(
+            "pdserve_scheduler_kv_events",
+            "Block hashes the workers' KV events added to or removed from the prefix index "
+            "(a snapshot counts the changes it made), and snapshots received",
+            ["kind"],
+            registry=r,
+        )
+        self.prefix_blocks = Gauge(
+            "pdserve_scheduler_prefix_index_blocks",
+            "Distinct block hashes some live worker caches",
+            registry=r,
+        )
+        self.cache_hit_tokens = Counter(
+            "pdserve_scheduler_expected_cached_tokens",
+            "Prompt tokens placements expected the chosen worker to find cached",
+            registry=r,
+        )
         self.place_seconds = Histogram(
             "pdserve_scheduler_place_seconds",
             "Place RPC latency inside the scheduler",
@@ -69,6 +86,8 @@ class SchedulerMetrics:
             self.placements.labels(mode.value)
         for reason in RejectReason:
             self.rejections.labels(reason.value)
+        for kind in ("added", "removed", "snapshot"):
+            self.kv_events.labels(kind)
 
     def set_workers(self, by_role: Mapping[Role, int]) -> None:
         """Set the worker gauges (every role, zero when absent)."""

@@ -44,9 +44,18 @@ class PrefillMode(enum.Enum):
     LOCAL_COLOCATED = "local_colocated"
     """The chosen worker is colocated: it always prefills its own prompts."""
     LOCAL_SHORT_PROMPT = "local_short_prompt"
-    """The prompt is short enough that moving its KV costs more than computing it in place."""
+    """What the decode worker must compute of the prompt (all of it, unless routing is
+    cache-aware and the worker holds a prefix) is short enough to compute in place."""
     LOCAL_FALLBACK = "local_fallback"
     """No live prefill worker can serve this decode worker, so the decode worker prefills."""
+
+
+class Routing(enum.Enum):
+    """How placement chooses among workers with room (``policy.py`` has the rules)."""
+
+    CACHE_AWARE = "cache-aware"
+    LEAST_LOADED = "least-loaded"
+    ROUND_ROBIN = "round-robin"
 
 
 class RejectReason(enum.Enum):

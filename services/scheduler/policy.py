@@ -14,18 +14,39 @@ Admission, in order (the first failing check decides the rejection):
 6. for a disaggregated placement: a compatible prefill worker
    has room (prompt backlog, sequence slots)                     else CAPACITY
 
-Choice:
+Cached tokens. ``cached(w)`` is the prompt's longest prefix of full blocks that worker ``w``
+holds in its prefix cache, by the index its KV events feed (block hash → workers), capped
+at prompt - 1 (the last token is always computed, for its logits). ``uncached(w)`` =
+prompt - ``cached(w)``: the tokens ``w`` would compute.
 
-* decode: among workers with room, fewest active sequences, then most free KV blocks;
-* prefill: among live prefill workers sharing a transport with the decode worker (``shm``
-  and ``cuda_ipc`` need the same host), the longest prefix-cache overlap (leading prompt
-  block hashes the worker holds), then the smallest prompt backlog;
-* the decode worker prefills locally when it is colocated, when the prompt is at most
-  ``local_prefill_max_tokens``, or when no live prefill worker is compatible with it.
+Choice, by ``Routing`` (``--routing``; every order ends with the worker id, so the choice is
+deterministic):
+
+* ``cache-aware`` (default), the cost of Dynamo's KV router in tokens and blocks:
+  - prefill: the smallest ``uncached(p) + queued_prompt_tokens(p)``: the prompt tokens the
+    worker must compute before this prompt's KV is complete (its backlog, then the part of
+    this prompt it does not hold); ties: fewer active sequences, then worker id;
+  - decode: among the workers running at most ``DECODE_CACHE_SLACK`` sequences more than
+    the least busy one, the one holding the longest prefix of the prompt (a conversation's
+    earlier turns: its KV need not be moved, and the new turn may be prefilled in place);
+    ties, and the busier workers after them: fewer active sequences, more free blocks,
+    worker id;
+  - conditional disaggregation: the decode worker prefills locally when ``uncached(d) <=
+    local_prefill_max_tokens`` and the uncached prompt tokens it was given and has not yet
+    computed stay within that limit (a short suffix costs running streams about one step;
+    ``pdserve plan`` prints the limit that keeps one such step within an ITL SLO).
+* ``least-loaded``: prefill: the smallest backlog, then fewer active sequences; decode:
+  fewer active sequences, then more free blocks. No cache in the choice; a prompt of at most
+  ``local_prefill_max_tokens`` tokens is prefilled locally.
+* ``round-robin``: the next worker in id order after the previous placement's (per role),
+  skipping those without room; the same local rule as least-loaded.
+
+The decode worker prefills locally also when it is colocated, or when no live prefill
+worker is compatible with it (shares no transport: ``shm`` and ``cuda_ipc`` need the same
+host).
 
 A worker is live while ``now - last_seen <= lease_ttl_s``; dead ones are ignored even before
-the state loop's expiry tick removes them. Ties break on worker id, so the choice is
-deterministic.
+the state loop's expiry tick removes them, and so is their part of the prefix index.
 """
 
 from __future__ import annotations
@@ -41,6 +62,7 @@ from services.scheduler.model import (
     Rejection,
     RejectReason,
     Role,
+    Routing,
     WorkerState,
     WorkerView,
     blocks_for,
@@ -48,6 +70,18 @@ from services.scheduler.model import (
 
 HOST_LOCAL_TRANSPORTS = frozenset({"shm", "cuda_ipc"})
 """Transports that only work between two workers on the same host."""
+
+DECODE_CACHE_SLACK = 2
+"""Cache-aware decode choice: a worker holding more of the prompt (a conversation's earlier
+turns) is preferred while it runs at most this many sequences more than the least busy
+one. One more sequence adds a few percent to every step of that worker; a worker that holds
+the conversation receives fewer KV bytes and may prefill the new turn itself."""
+
+LOCAL_PREFILL_MAX_TOKENS = 32
+"""The default local-prefill limit: on this project's reference machine (docs/benchmarks.md,
+"Sizing") 32 uncached tokens prefill in ~0.13 s on one core, so a decode step at batch 1
+(~0.06 s) that also computes them stays within a 0.2 s ITL SLO (``pdserve plan`` prints the
+limit for a measured profile and SLO)."""
 
 
 @dataclass(frozen=True)
@@ -58,14 +92,15 @@ class AdmissionLimits:
     summed over live decode-capable workers. ``max_waiting_per_worker``: sequences a worker
     may hold beyond its ``max_num_seqs``. ``max_queued_prompt_tokens``: a prefill worker's
     prompt backlog after accepting the request (an idle worker always takes one prompt).
-    ``local_prefill_max_tokens``: prompts this short are prefilled on the decode worker
-    (0: never). ``retry_after_ms``: the hint attached to capacity rejections.
+    ``local_prefill_max_tokens``: a decode worker prefills a request itself when it would
+    compute at most this many of its prompt tokens (0: never; module docstring).
+    ``retry_after_ms``: the hint attached to capacity rejections.
     """
 
     max_inflight: int = 4096
     max_waiting_per_worker: int = 64
     max_queued_prompt_tokens: int = 65536
-    local_prefill_max_tokens: int = 0
+    local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS
     retry_after_ms: int = 100
 
 
@@ -75,7 +110,8 @@ class ClusterSnapshot:
 
     ``prefix_index`` maps a block hash to the ids of the workers known to cache that block.
     It must not change while ``place`` runs (the state loop guarantees that by calling
-    ``place`` synchronously).
+    ``place`` synchronously). ``last_prefill`` / ``last_decode``: the workers of the
+    previous placement (round-robin continues after them).
     """
 
     workers: tuple[WorkerView, ...]
@@ -83,6 +119,9 @@ class ClusterSnapshot:
     now: float
     lease_ttl_s: float
     limits: AdmissionLimits = AdmissionLimits()
+    routing: Routing = Routing.CACHE_AWARE
+    last_prefill: str = ""
+    last_decode: str = ""
 
 
 def is_live(worker: WorkerView, now: float, lease_ttl_s: float) -> bool:
@@ -166,12 +205,70 @@ def has_prefill_room(worker: WorkerView, req: PlaceRequest, limits: AdmissionLim
     )
 
 
-def _decode_rank(worker: WorkerView) -> tuple[int, int, str]:
-    return (worker.active_sequences, -worker.free_kv_blocks, worker.worker_id)
+@dataclass(frozen=True)
+class _CacheView:
+    """What the prefix index says about one request, per worker."""
+
+    req: PlaceRequest
+    overlaps: Mapping[str, int]
+    routing: Routing
+
+    def cached(self, worker: WorkerView) -> int:
+        """Prompt tokens ``worker`` holds (full blocks; the last token is always computed,
+        for its logits)."""
+        bs = self.req.hash_block_size
+        if bs <= 0:
+            return 0
+        blocks = min(self.overlaps.get(worker.worker_id, 0), (self.req.prompt_tokens - 1) // bs)
+        return blocks * bs
+
+    def uncached(self, worker: WorkerView) -> int:
+        """Prompt tokens ``worker`` would compute, as far as the routing looks at caches."""
+        if self.routing is not Routing.CACHE_AWARE:
+            return self.req.prompt_tokens
+        return self.req.prompt_tokens - self.cached(worker)
 
 
-def _prefill_rank(worker: WorkerView, overlap: int) -> tuple[int, int, int, str]:
-    return (-overlap, worker.queued_prompt_tokens, worker.active_sequences, worker.worker_id)
+def _decode_order(
+    workers: list[WorkerView], snapshot: ClusterSnapshot, cache: _CacheView
+) -> list[WorkerView]:
+    """Decode workers with room, best first (module docstring)."""
+    if snapshot.routing is Routing.ROUND_ROBIN:
+        return _round_robin(workers, snapshot.last_decode)
+    if snapshot.routing is Routing.LEAST_LOADED:
+        return sorted(workers, key=lambda w: (w.active_sequences, -w.free_kv_blocks, w.worker_id))
+
+    # The least busy workers, and those at most DECODE_CACHE_SLACK sequences busier, are
+    # ranked by how much of the prompt they hold; the rest follow, least busy first.
+    fewest = min(w.active_sequences for w in workers)
+
+    def rank(w: WorkerView) -> tuple[bool, int, int, int, str]:
+        near = w.active_sequences <= fewest + DECODE_CACHE_SLACK
+        return (not near, -cache.cached(w) if near else 0, w.active_sequences,
+                -w.free_kv_blocks, w.worker_id)  # fmt: skip
+
+    return sorted(workers, key=rank)
+
+
+def _choose_prefill(
+    ready: list[WorkerView], snapshot: ClusterSnapshot, cache: _CacheView
+) -> WorkerView:
+    """The prefill worker among those with room (module docstring)."""
+    if snapshot.routing is Routing.ROUND_ROBIN:
+        return _round_robin(ready, snapshot.last_prefill)[0]
+    if snapshot.routing is Routing.LEAST_LOADED:
+        return min(ready, key=lambda w: (w.queued_prompt_tokens, w.active_sequences, w.worker_id))
+    return min(
+        ready,
+        key=lambda w: (cache.uncached(w) + w.queued_prompt_tokens, w.active_sequences, w.worker_id),
+    )
+
+
+def _round_robin(workers: Iterable[WorkerView], last: str) -> list[WorkerView]:
+    """``workers`` in id order, starting after ``last`` and wrapping around."""
+    ordered = sorted(workers, key=lambda w: w.worker_id)
+    after = [w for w in ordered if w.worker_id > last]
+    return after + [w for w in ordered if w.worker_id <= last]
 
 
 def place(snapshot: ClusterSnapshot, req: PlaceRequest) -> Placement | Rejection:
@@ -216,19 +313,17 @@ def place(snapshot: ClusterSnapshot, req: PlaceRequest) -> Placement | Rejection
             retry=False,
         )
 
-    with_room = sorted((w for w in decoders if has_decode_room(w, req, limits)), key=_decode_rank)
+    cache = _CacheView(req, prefix_overlaps(usable, req, snapshot.prefix_index), snapshot.routing)
+    with_room = [w for w in decoders if has_decode_room(w, req, limits)]
     if not with_room:
         return reject(RejectReason.CAPACITY, "no decode worker has free KV blocks or slots")
+    with_room = _decode_order(with_room, snapshot, cache)
 
     prefillers = [
         w
         for w in usable
         if w.info.role is Role.PREFILL and req.prompt_tokens <= w.info.capacity.max_model_len
     ]
-    overlaps = prefix_overlaps(usable, req, snapshot.prefix_index)
-
-    def cached_tokens(worker: WorkerView) -> int:
-        return min(overlaps.get(worker.worker_id, 0) * req.hash_block_size, req.prompt_tokens)
 
     def local(decode: WorkerView, mode: PrefillMode) -> Placement:
         return Placement(
@@ -237,29 +332,30 @@ def place(snapshot: ClusterSnapshot, req: PlaceRequest) -> Placement | Rejection
             decode=decode.info,
             prefill=None,
             mode=mode,
-            expected_cached_tokens=cached_tokens(decode),
+            expected_cached_tokens=cache.cached(decode),
             decode_kv_blocks=decode_blocks_needed(decode, req),
         )
 
-    short_prompt = req.prompt_tokens <= limits.local_prefill_max_tokens
+    limit = limits.local_prefill_max_tokens
     for decode in with_room:
         if decode.info.role is Role.COLOCATED:
             return local(decode, PrefillMode.LOCAL_COLOCATED)
-        if short_prompt:
+        suffix = cache.uncached(decode)
+        if suffix <= limit and decode.queued_prompt_tokens + suffix <= limit:
             return local(decode, PrefillMode.LOCAL_SHORT_PROMPT)
         compatible = [p for p in prefillers if transports_compatible(p, decode)]
         if not compatible:
             return local(decode, PrefillMode.LOCAL_FALLBACK)
         ready = [p for p in compatible if has_prefill_room(p, req, limits)]
         if ready:
-            prefill = min(ready, key=lambda p: _prefill_rank(p, overlaps[p.worker_id]))
+            prefill = _choose_prefill(ready, snapshot, cache)
             return Placement(
                 request_id=req.request_id,
                 attempt=req.attempt,
                 decode=decode.info,
                 prefill=prefill.info,
                 mode=PrefillMode.DISAGGREGATED,
-                expected_cached_tokens=cached_tokens(prefill),
+                expected_cached_tokens=cache.cached(prefill),
                 decode_kv_blocks=decode_blocks_needed(decode, req),
             )
     return reject(RejectReason.CAPACITY, "every compatible prefill worker's queue is full")

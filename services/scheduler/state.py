@@ -39,6 +39,7 @@ from services.scheduler.model import (
     Rejection,
     Reservation,
     Role,
+    Routing,
     WorkerInfo,
     WorkerLoad,
     WorkerState,
@@ -147,6 +148,7 @@ class StateConfig:
     heartbeat_interval_ms: int
     queue_size: int
     limits: AdmissionLimits = field(default_factory=AdmissionLimits)
+    routing: Routing = Routing.CACHE_AWARE
     placement_memo_s: float = 60.0
     placement_memo_max: int = 100_000
     tick_s: float | None = None
@@ -185,6 +187,8 @@ class SchedulerState:
         self._workers: dict[str, _Worker] = {}
         self._index: dict[int, set[str]] = {}
         self._memo: OrderedDict[tuple[str, int], tuple[float, Placement]] = OrderedDict()
+        self._last_prefill = ""  # the previous placement's workers (round-robin)
+        self._last_decode = ""
         self._tasks: list[asyncio.Task[None]] = []
         self._running = False
         self._settle_s = config.heartbeat_interval_ms / 2000.0
@@ -362,6 +366,9 @@ class SchedulerState:
             now=self._clock(),
             lease_ttl_s=self._config.lease_ttl_s,
             limits=self._config.limits,
+            routing=self._config.routing,
+            last_prefill=self._last_prefill,
+            last_decode=self._last_decode,
         )
 
     def _register(self, info: WorkerInfo) -> Lease:
@@ -396,6 +403,8 @@ class SchedulerState:
         worker.state = report.state
         worker.load = report.load
         if report.cache_snapshot:
+            if self._metrics:
+                self._metrics.kv_events.labels("snapshot").inc()
             new = set(report.cached_added)
             self._update_cache(worker, added=new - worker.cached, removed=worker.cached - new)
             worker.needs_resync = False
@@ -433,6 +442,10 @@ class SchedulerState:
         worker.cached -= removed
         worker.cached |= added
         self._sink.update_prefixes(worker_id, added, removed)
+        if self._metrics:
+            self._metrics.kv_events.labels("added").inc(len(added))
+            self._metrics.kv_events.labels("removed").inc(len(removed))
+            self._metrics.prefix_blocks.set(len(self._index))
 
     def _place(self, request: PlaceRequest) -> Placement | Rejection:
         key = (request.request_id, request.attempt)
@@ -445,24 +458,31 @@ class SchedulerState:
                 self._metrics.rejections.labels(result.reason.value).inc()
             return result
         now = self._clock()
+        tokens = request.prompt_tokens - result.expected_cached_tokens  # to compute
         decode = self._workers[result.decode.worker_id]
         decode.reservations[request.request_id] = (
             now,
-            Reservation(kv_blocks=result.decode_kv_blocks, sequences=1),
+            Reservation(
+                kv_blocks=result.decode_kv_blocks,
+                sequences=1,
+                prompt_tokens=tokens if result.prefill is None else 0,
+            ),
         )
+        self._last_decode = decode.info.worker_id
         if result.prefill is not None:
             prefill = self._workers[result.prefill.worker_id]
-            tokens = request.prompt_tokens - result.expected_cached_tokens
             prefill.reservations[request.request_id] = (
                 now,
                 Reservation(sequences=1, prompt_tokens=tokens),
             )
+            self._last_prefill = prefill.info.worker_id
         self._memo[key] = (now, result)
         if len(self._memo) > self._config.placement_memo_max:
             self._memo.popitem(last=False)
         self._sink.record_placement(request, result)
         if self._metrics:
             self._metrics.placements.labels(result.mode.value).inc()
+            self._metrics.cache_hit_tokens.inc(result.expected_cached_tokens)
         return result
 
     def _outcome(self, outcome: Outcome) -> None:
@@ -508,6 +528,8 @@ class SchedulerState:
                 holders.discard(worker_id)
                 if not holders:
                     del self._index[block_hash]
+        if self._metrics:
+            self._metrics.prefix_blocks.set(len(self._index))
         if delete_key:
             self._sink.delete_worker(worker_id, worker.cached)
         else:

@@ -12,6 +12,7 @@ from bench.plan.model import (
     PlanError,
     Workload,
     exposed_transfer_s,
+    local_prefill_limit,
     max_batch_within,
     md1_wait,
     plan,
@@ -237,3 +238,16 @@ def test_a_tie_in_workers_goes_to_colocated_and_names_the_headroom() -> None:
     assert rec.colocated.utilisation == pytest.approx(0.7 / (2 * 0.01 / 0.026), rel=1e-9)
     assert rec.disaggregated is not None and rec.disaggregated.workers == 2
     assert any("disaggregated has more headroom" in r and "91%" in r for r in rec.reasons)
+
+
+def test_local_prefill_limit_keeps_the_step_that_computes_it_within_the_itl_slo() -> None:
+    # prefill(s) = s / 2000 s; at a vanishing rate the batch is ~0, taken as 1: step 21 ms.
+    # prefill(s) + 0.021 <= 0.100  <=>  s <= 158.
+    rec = plan(linear_profile(), _workload(rate=1e-6))
+    assert rec.disaggregated is not None
+    assert rec.disaggregated.local_prefill_max_tokens == 158
+    assert local_prefill_limit(lambda s: s / 2000, 0.021, 0.100, cap=100) == 100  # the prompt
+    assert local_prefill_limit(lambda s: s / 2000, 0.100, 0.100, cap=1000) == 0
+    # One output token: no gaps to protect, and none to gain.
+    one = plan(linear_profile(), _workload(output_tokens=1))
+    assert one.disaggregated is not None and one.disaggregated.local_prefill_max_tokens == 0

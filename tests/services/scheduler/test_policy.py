@@ -14,12 +14,14 @@ from services.scheduler.model import (
     Rejection,
     RejectReason,
     Role,
+    Routing,
     WorkerState,
     WorkerView,
     blocks_for,
 )
 from services.scheduler.policy import (
     AdmissionLimits,
+    ClusterSnapshot,
     has_decode_room,
     has_prefill_room,
     is_live,
@@ -52,14 +54,28 @@ def _rejected(result: Placement | Rejection) -> Rejection:
 # ---- prefill choice ----
 
 
-def test_longest_prefix_overlap_wins_over_lower_load() -> None:
-    p1 = view("p1", Role.PREFILL, queued_tokens=0)
-    p2 = view("p2", Role.PREFILL, queued_tokens=5000)  # busier, but caches 3 blocks
+def test_cache_aware_prefill_cost_is_uncached_tokens_plus_backlog() -> None:
+    # p2 caches 3 of the prompt's 5 blocks: it computes 80 - 48 = 32 tokens, p1 80 - 16.
+    # p2 wins while 32 + backlog < 64; at 64 each the tie goes to the lower worker id.
     index = {11: {"p1", "p2"}, 22: {"p2"}, 33: {"p2"}}
-    result = _placed(place(snapshot(view("d1"), p1, p2, index=index), request(prompt=80, hashes=H)))
-    assert result.prefill is not None and result.prefill.worker_id == "p2"
-    assert result.mode is PrefillMode.DISAGGREGATED
-    assert result.expected_cached_tokens == 3 * BLOCK
+    req = request(prompt=80, hashes=H)
+    for p2_backlog, expected in ((0, "p2"), (31, "p2"), (32, "p1"), (33, "p1"), (5000, "p1")):
+        p1 = view("p1", Role.PREFILL)
+        p2 = view("p2", Role.PREFILL, queued_tokens=p2_backlog)
+        result = _placed(place(snapshot(view("d1"), p1, p2, index=index), req))
+        assert result.prefill is not None and result.prefill.worker_id == expected, p2_backlog
+        assert result.expected_cached_tokens == (3 * BLOCK if expected == "p2" else BLOCK)
+        assert result.mode is PrefillMode.DISAGGREGATED
+
+
+def test_cache_aware_tie_goes_to_fewer_active_sequences_then_worker_id() -> None:
+    index = {11: {"p1", "p2"}}
+    req = request(prompt=80, hashes=H)
+    p1 = view("p1", Role.PREFILL, running=2)
+    p2 = view("p2", Role.PREFILL, running=1)
+    assert _placed(place(snapshot(view("d1"), p1, p2, index=index), req)).prefill.worker_id == "p2"  # type: ignore[union-attr]
+    p2 = view("p2", Role.PREFILL, running=2)
+    assert _placed(place(snapshot(view("d1"), p1, p2, index=index), req)).prefill.worker_id == "p1"  # type: ignore[union-attr]
 
 
 def test_only_leading_blocks_count_as_overlap() -> None:
@@ -371,3 +387,102 @@ def test_property_placement_only_picks_live_workers_with_room(
         assert prefill.info.role is Role.PREFILL
         assert _usable(prefill, req.model, req.exclude_worker_ids)
         assert has_prefill_room(prefill, req, limits)
+
+
+# ---- routing policies and conditional disaggregation ----
+
+
+def _prefill_of(result: Placement | Rejection) -> str:
+    placed = _placed(result)
+    assert placed.prefill is not None, placed
+    return placed.prefill.worker_id
+
+
+def test_cache_aware_decode_prefers_the_holder_within_the_slack() -> None:
+    index = {11: {"d2"}, 22: {"d2"}, 33: {"d2"}}  # d2 holds the conversation so far
+    req = request(prompt=80, hashes=H)
+    d1 = view("d1", running=1)
+    for d2_running, expected in ((1, "d2"), (3, "d2"), (4, "d1")):
+        d2 = view("d2", running=d2_running)
+        result = _placed(place(snapshot(d1, d2, view("p1", Role.PREFILL), index=index), req))
+        assert result.decode.worker_id == expected, d2_running
+    limits = AdmissionLimits(local_prefill_max_tokens=0)
+    blind = ClusterSnapshot(
+        workers=(d1, view("d2", running=2), view("p1", Role.PREFILL)),
+        prefix_index=index, now=NOW, lease_ttl_s=TTL, limits=limits,
+        routing=Routing.LEAST_LOADED,
+    )  # fmt: skip
+    assert _placed(place(blind, req)).decode.worker_id == "d1"
+
+
+def test_a_short_uncached_suffix_is_prefilled_on_the_decode_worker() -> None:
+    # d1 holds 4 blocks (64 tokens) of an 80-token prompt: 16 tokens left to compute.
+    index = {h: {"d1"} for h in H}
+    req = request(prompt=80, hashes=H)
+    workers = (view("d1"), view("p1", Role.PREFILL))
+    local = _placed(place(snapshot(*workers, index=index), req))
+    assert local.prefill is None and local.mode is PrefillMode.LOCAL_SHORT_PROMPT
+    assert local.expected_cached_tokens == 64
+    # Not when the decode worker already has other uncomputed prompt tokens queued...
+    busy = (view("d1", queued_tokens=20), view("p1", Role.PREFILL))
+    assert _prefill_of(place(snapshot(*busy, index=index), req)) == "p1"
+    # ...nor when it holds less, nor with the limit at 0, nor with cache-blind routing.
+    assert _prefill_of(place(snapshot(*workers, index={11: {"d1"}}), req)) == "p1"
+    off = AdmissionLimits(local_prefill_max_tokens=0)
+    assert _prefill_of(place(snapshot(*workers, index=index, limits=off), req)) == "p1"
+    blind = ClusterSnapshot(workers, index, NOW, TTL, routing=Routing.LEAST_LOADED)
+    assert _prefill_of(place(blind, req)) == "p1"
+    # Cache-blind routing still prefills a short prompt locally.
+    short = request(prompt=32)
+    assert _placed(place(blind, short)).mode is PrefillMode.LOCAL_SHORT_PROMPT
+
+
+def test_the_last_prompt_token_is_never_counted_as_cached() -> None:
+    # A 64-token prompt whose 4 blocks are all cached still computes its last token: the
+    # engine hits only 3 blocks (48 tokens).
+    index = {h: {"p1"} for h in H}
+    off = AdmissionLimits(local_prefill_max_tokens=0)
+    workers = (view("d1"), view("p1", Role.PREFILL))
+    result = _placed(
+        place(snapshot(*workers, index=index, limits=off), request(prompt=64, hashes=H))
+    )
+    assert result.expected_cached_tokens == 48
+
+
+def test_least_loaded_prefill_ignores_the_cache() -> None:
+    index = {11: {"p2"}, 22: {"p2"}, 33: {"p2"}}
+    workers = (view("d1"), view("p1", Role.PREFILL), view("p2", Role.PREFILL, queued_tokens=1))
+    req = request(prompt=80, hashes=H)
+    assert _prefill_of(place(snapshot(*workers, index=index), req)) == "p2"
+    blind = ClusterSnapshot(workers, index, NOW, TTL, routing=Routing.LEAST_LOADED)
+    assert _prefill_of(place(blind, req)) == "p1"
+
+
+def test_round_robin_continues_after_the_previous_placement() -> None:
+    workers = (
+        view("d1"), view("d2", running=5), view("p1", Role.PREFILL),
+        view("p2", Role.PREFILL, queued_tokens=9999), view("p3", Role.PREFILL),
+    )  # fmt: skip
+    last_p, last_d = "", ""
+    chosen = []
+    for _ in range(4):
+        snap = ClusterSnapshot(workers, {}, NOW, TTL, routing=Routing.ROUND_ROBIN,
+                               last_prefill=last_p, last_decode=last_d)  # fmt: skip
+        result = _placed(place(snap, request()))
+        assert result.prefill is not None
+        last_p, last_d = result.prefill.worker_id, result.decode.worker_id
+        chosen.append((last_d, last_p))
+    assert chosen == [("d1", "p1"), ("d2", "p2"), ("d1", "p3"), ("d2", "p1")]
+    # A worker without room is skipped, not waited for.
+    full = view("p2", Role.PREFILL, queued_tokens=70000)
+    snap = ClusterSnapshot((workers[0], workers[2], full), {}, NOW, TTL,
+                           routing=Routing.ROUND_ROBIN, last_prefill="p1")  # fmt: skip
+    assert _prefill_of(place(snap, request())) == "p1"
+
+
+def test_hashes_without_a_block_size_are_ignored() -> None:
+    index = {11: {"p2"}}
+    workers = (view("d1"), view("p1", Role.PREFILL), view("p2", Role.PREFILL))
+    result = _placed(place(snapshot(*workers, index=index), request(hashes=H, hash_block_size=0)))
+    assert result.prefill is not None and result.prefill.worker_id == "p1"
+    assert result.expected_cached_tokens == 0

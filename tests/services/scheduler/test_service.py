@@ -79,13 +79,25 @@ async def _check_placements_and_kill(
     assert metric(metrics_port, "pdserve_scheduler_workers", 'role="decode"') == 2
     assert metric(metrics_port, "pdserve_scheduler_workers", 'role="prefill"') == 2
 
-    # Both decode workers take placements; the prefix-holding p1 gets the prefill.
+    # Both decode workers take placements; the prefix-holding p1 gets the prefill (it
+    # computes 16 of the 64 tokens, p2 all 64). Outcomes after the first keep p1's backlog
+    # at one prompt: with more, its cost would pass p2's (test_policy covers that).
     decodes: set[str] = set()
     for i in range(6):
         placement = await stub.Place(place_request(f"before-{i}", HASHES), timeout=2)
         decodes.add(placement.decode.worker_id)
         assert placement.prefill.worker_id == "p1"
         assert placement.expected_cached_tokens == 48
+        if i:
+            await stub.ReportOutcome(
+                scheduler_pb2.Outcome(
+                    request_id=f"before-{i}",
+                    prefill_worker_id="p1",
+                    decode_worker_id=placement.decode.worker_id,
+                    finish_reason=common_pb2.FINISH_REASON_STOP,
+                ),
+                timeout=2,
+            )
     assert decodes == {"d1", "d2"}
 
     # Request records: status, placement and timestamps, with a TTL.

@@ -339,3 +339,34 @@ async def test_a_mirror_that_does_not_fit_the_queue_is_refused_at_once() -> None
         assert not s.request_mirror()
     finally:
         await s.stop()
+
+
+async def test_kv_event_metrics_count_what_changed_the_index() -> None:
+    from services.scheduler.metrics import SchedulerMetrics
+
+    metrics = SchedulerMetrics()
+    s = SchedulerState(_config(), metrics=metrics)
+    s.start()
+    try:
+
+        def value(name: str, **labels: str) -> float:
+            got = metrics.registry.get_sample_value(name, labels)
+            return 0.0 if got is None else got
+
+        await _join(s, "d1", Role.DECODE)
+        await s.register(info("p1", Role.PREFILL))
+        await s.heartbeat(_beat("p1", 0, added=(1, 2, 3), snapshot=True))
+        await s.heartbeat(_beat("p1", 1, added=(3, 4), removed=(1, 7)))  # 3 known, 7 unknown
+        assert value("pdserve_scheduler_kv_events_total", kind="added") == 4
+        assert value("pdserve_scheduler_kv_events_total", kind="removed") == 1
+        assert value("pdserve_scheduler_kv_events_total", kind="snapshot") == 2  # d1's, p1's
+        assert value("pdserve_scheduler_prefix_index_blocks") == 3
+        await s.place(request("r1", prompt=100, hashes=(5, 2, 3)))
+        assert value("pdserve_scheduler_expected_cached_tokens_total") == 0  # 5 is not cached
+        await s.heartbeat(_beat("p1", 2, added=(1,)))
+        await s.place(request("r2", prompt=100, hashes=(1, 2, 3)))
+        assert value("pdserve_scheduler_expected_cached_tokens_total") == 3 * BLOCK
+        await s.deregister("p1")
+        assert value("pdserve_scheduler_prefix_index_blocks") == 0
+    finally:
+        await s.stop()
