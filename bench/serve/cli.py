@@ -111,7 +111,8 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
         "--output-tokens",
         type=int,
         default=128,
-        help="fixed: output length; dist lognormal: median (default: 128)",
+        help="fixed: output length; dist lognormal: median; conversations: each "
+        "turn's max_tokens (default: 128)",
     )
     w.add_argument(
         "--dist",

@@ -1,6 +1,7 @@
 """``pdserve bench`` end to end: 3 requests against the real local stack (redis-server,
 scheduler, one prefill and one decode worker, gateway, real model) started by ``pdserve
-up``'s launcher; the JSON must hold 3 successful requests of the asked lengths."""
+up``'s launcher; the JSON must hold 3 successful requests of the asked lengths. Slow: a
+2 x 2 multi-turn run on the same stack."""
 
 from __future__ import annotations
 
@@ -60,3 +61,30 @@ def test_pdserve_bench_against_the_real_stack(gateway_url: str, tmp_path: Path) 
     assert summary["total_output_tokens"] == 3 * OUTPUT_TOKENS
     assert summary["ttft_ms"]["p50"] > 0 and summary["output_throughput"] > 0
     assert "| all | 3 | 0 |" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_multi_turn_run_through_the_real_stack(gateway_url: str, tmp_path: Path) -> None:
+    """Each turn carries the answer before it; pdserve's object names the workers and the
+    KV bytes moved (none for a prompt the decode worker prefilled itself)."""
+    out = tmp_path / "multi.json"
+    cmd = [
+        sys.executable, "-m", "pdserve.cli", "bench", "--base-url", gateway_url,
+        "--workload", "multi-turn", "--sessions", "2", "--turns", "2", "--system-tokens", "40",
+        "--user-tokens", "16", "--output-tokens", "6", "--concurrency", "2",
+        "--timeout-s", "120", "--json", str(out), "--no-progress",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = json.loads(out.read_text())["records"]
+    assert [(r["session"], r["turn"]) for r in records] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for r in records:
+        assert r["error"] is None and r["output_text"], r
+        assert r["decode_worker_id"] == "decode-0" and r["cached_tokens"] is not None
+        assert r["prefill_worker_id"] in ("prefill-0", "")
+        assert (r["kv_transfer_bytes"] > 0) == (r["prefill_worker_id"] == "prefill-0"), r
+    for first, second in (records[0:2], records[2:4]):
+        # the second turn's prompt holds the first's and its answer, then a new message
+        grown = first["prompt_tokens"] + first["completion_tokens"] + 16
+        assert second["prompt_tokens"] >= grown
+    assert "prefix reuse:" in proc.stdout and "| later-turn | 2 |" in proc.stdout
