@@ -75,9 +75,10 @@ def bytes_checks(result: BenchResult, layout: KvLayout) -> list[BytesCheck]:
 class RunFigures:
     """The figures of one workload under one policy (``None``: not measured).
 
-    ``computed_tokens`` / ``cached_tokens``: the requests' usage; ``worker_computed`` /
-    ``worker_cached``: the workers' counters' growth, summed. ``bytes_*``: target 3 over the
-    later turns (``bytes_unknown``: turns whose server did not say).
+    ``computed_tokens`` / ``cached_tokens``: the requests' usage; ``worker_computed``: the
+    workers' computed counters' growth, summed (their cached counters are not summed: a
+    prefix held by both the prefill and the decode worker counts on each). ``bytes_*``:
+    target 3 over the later turns (``bytes_unknown``: turns whose server did not say).
     """
 
     policy: str
@@ -91,7 +92,6 @@ class RunFigures:
     computed_tokens: int
     cached_tokens: int
     worker_computed: float | None
-    worker_cached: float | None
     kv_bytes_mean: float | None
     later_kv_bytes_mean: float | None
     bytes_ok: int
@@ -152,7 +152,6 @@ def figures(
         computed_tokens=sum(r.prompt_tokens - (r.cached_tokens or 0) for r in ok),
         cached_tokens=sum(r.cached_tokens or 0 for r in ok),
         worker_computed=_sum_all([w.computed for w in workers.values()]),
-        worker_cached=_sum_all([w.cached for w in workers.values()]),
         kv_bytes_mean=_mean(_kv_bytes(ok)),
         later_kv_bytes_mean=_mean(_kv_bytes(later)),
         bytes_ok=sum(c.ok is True for c in checks),

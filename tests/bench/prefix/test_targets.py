@@ -56,7 +56,7 @@ def test_figures_prefer_the_workers_counters() -> None:
     }
     f = figures("cache-aware", "multi-turn", result, workers, LAYOUT)
     assert (f.requests, f.failed, f.prompt_tokens, f.cached_tokens) == (3, 1, 250, 110)
-    assert f.computed_tokens == 140 and f.worker_computed == 140.0 and f.worker_cached == 110.0
+    assert f.computed_tokens == 140 and f.worker_computed == 140.0
     assert f.ttft_p50_ms == pytest.approx(200.0) and f.later_ttft_p50_ms == pytest.approx(100.0)
     assert f.computed == (140.0, "workers")
     assert (f.bytes_ok, f.bytes_checked, f.bytes_unknown) == (1, 1, 0)
@@ -69,7 +69,7 @@ def _fig(policy: str, workload: str = "multi-turn", **kw: object) -> RunFigures:
     base = RunFigures(
         policy=policy, workload=workload, requests=8, failed=0, ttft_p50_ms=1000.0,
         later_ttft_p50_ms=900.0, e2e_p50_ms=2000.0, prompt_tokens=4000, computed_tokens=4000,
-        cached_tokens=0, worker_computed=4000.0, worker_cached=0.0, kv_bytes_mean=1e6,
+        cached_tokens=0, worker_computed=4000.0, kv_bytes_mean=1e6,
         later_kv_bytes_mean=1e6, bytes_ok=0, bytes_checked=6, bytes_unknown=0,
     )  # fmt: skip
     return replace(base, **kw)  # type: ignore[arg-type]
