@@ -31,7 +31,7 @@ from typing import Any
 import structlog
 
 from engine.errors import InvalidRequestError
-from engine.llm_engine import LLMEngine, PrefillOutput, PrefillPlan
+from engine.llm_engine import LLMEngine, PrefillOutput, PrefillPlan, Reservation
 from engine.output_processor import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.threads import core_set, name_current_thread, pin_current_thread
@@ -172,9 +172,10 @@ class AsyncEngine:
         prompt_ids: Sequence[int],
         params: SamplingParams,
         resumed: Sequence[int] = (),
-    ) -> list[int]:
+    ) -> Reservation:
         """Decode role: allocate blocks for a prompt (and a migrated request's resumed
-        output tokens) that a prefill worker will fill."""
+        output tokens) that a prefill worker will fill, this pool's cached prefix reused
+        (``LLMEngine.reserve``)."""
         try:
             return await self.call(
                 lambda: self.engine.reserve(request_id, prompt_ids, params, resumed)
@@ -191,13 +192,21 @@ class AsyncEngine:
         return self.submit(lambda: self.engine.fence(request_id, tag))
 
     async def join_prefilled(
-        self, request_id: str, first_token: int, first_logprob: float
+        self,
+        request_id: str,
+        first_token: int,
+        first_logprob: float,
+        *,
+        num_cached_tokens: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Decode role: the reserved blocks hold the prompt's KV; stream the generation."""
+        """Decode role: the reserved blocks hold the prompt's KV; stream the generation.
+        ``num_cached_tokens``: as ``LLMEngine.add_prefilled``."""
         q = self._open(request_id)
 
         def add() -> None:
-            ev = self.engine.add_prefilled(request_id, first_token, first_logprob)
+            ev = self.engine.add_prefilled(
+                request_id, first_token, first_logprob, num_cached_tokens=num_cached_tokens
+            )
             self._deliver(ev)
 
         try:

@@ -77,6 +77,21 @@ class PrefillPlan:
 
 
 @dataclass(frozen=True)
+class Reservation:
+    """A decode worker's blocks for a prompt another worker prefills.
+
+    ``block_ids`` covers every token (prompt, then a migrated request's resumed output), the
+    cached prefix first. The first ``num_present_tokens`` tokens' KV is already in their
+    blocks (this pool's prefix cache: earlier requests' prompts and outputs): a multiple of
+    the block size, less than the token count; the prefill worker writes only the rest.
+    """
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_present_tokens: int
+
+
+@dataclass(frozen=True)
 class PrefillOutput:
     request_id: str
     token_id: int  # the first generated token
@@ -254,8 +269,9 @@ class LLMEngine:
 
     # -- disaggregated roles -----------------------------------------------------------
     # A prefill worker calls plan_prefill -> run_prefill -> (send KV) -> release.
-    # A decode worker calls reserve -> (prefill worker fills the blocks) -> add_prefilled,
-    # or cancel_reservation if the prefill failed. Both run on the engine's one thread.
+    # A decode worker calls reserve (its own cached prefix reused) -> (prefill worker fills
+    # the other blocks) -> add_prefilled, or cancel_reservation if the prefill failed.
+    # Both run on the engine's one thread.
 
     def plan_prefill(
         self,
@@ -333,9 +349,13 @@ class LLMEngine:
         prompt_ids: Seq[int],
         params: SamplingParams,
         resumed: Seq[int] = (),
-    ) -> list[int]:
+    ) -> Reservation:
         """Validate and allocate blocks for a prompt (plus a migrated request's ``resumed``
-        output tokens) another worker will prefill."""
+        output tokens) another worker will prefill, reusing this pool's cached blocks of its
+        longest cached full-block prefix (never its last token). The blocks stay held until
+        ``add_prefilled``, ``release`` (also under a ``fence`` key) or ``cancel_reservation``.
+        Raises InvalidRequestError, CapacityError, or ResourceExhaustedError when the batch
+        or the pool is full now; nothing stays held then."""
         ids = self._validate(
             request_id, list(prompt_ids), params, generates_here=True, resumed=resumed
         )
@@ -344,9 +364,15 @@ class LLMEngine:
                 f"decode batch is full ({self.config.max_num_seqs} sequences)"
             )
         seq = self._sequence(request_id, ids, params, resumed)
-        seq.block_table = self.blocks.allocate(self.blocks.blocks_needed(seq.num_tokens))
+        hit = self.scheduler.match_prefix(seq)
+        try:
+            need = self.blocks.blocks_needed(seq.num_tokens) - len(seq.block_table)
+            seq.block_table.extend(self.blocks.allocate(need))
+        except Exception:
+            self.scheduler.undo_hit(seq, hit)
+            raise
         self._held[request_id] = seq
-        return list(seq.block_table)
+        return Reservation(request_id, tuple(seq.block_table), seq.num_computed)
 
     def fence(self, request_id: str, tag: str) -> str:
         """Set a reservation aside under a new key, its blocks still held, so the request id
@@ -360,13 +386,23 @@ class LLMEngine:
         return self.release(request_id)
 
     def add_prefilled(
-        self, request_id: str, first_token: int, first_logprob: float
+        self,
+        request_id: str,
+        first_token: int,
+        first_logprob: float,
+        *,
+        num_cached_tokens: int = 0,
     ) -> RequestOutput:
-        """Join a reserved sequence whose prompt KV has arrived; returns its first event."""
+        """Join a reserved sequence whose prompt KV has arrived; returns its first event.
+
+        ``num_cached_tokens``: prompt tokens the prefill worker served from its own cache
+        instead of computing them; the request's events report it (usage.cached_tokens:
+        tokens this request did not compute, whatever this pool already held)."""
         seq = self._held.pop(request_id)
         if seq.generator is not None and not seq.params.greedy:
             skip_draws(seq.generator, self.model_config.vocab_size)  # token 0 came from prefill
         seq.num_computed = seq.num_tokens
+        seq.num_cached_tokens = num_cached_tokens
         self.scheduler.add_running(seq)
         self.scheduler.advance(ScheduledSeq(seq, 0))  # publish the prompt's full blocks
         self.outputs.add(request_id, seq.params, seq.output_ids)
@@ -423,7 +459,8 @@ class LLMEngine:
             finish_reason=None if reason is None else reason.value,
             num_prompt_tokens=len(seq.prompt_ids),
             num_output_tokens=len(seq.output_ids),
-            num_cached_tokens=seq.num_cached_tokens,
+            # a hit may reach into a migrated request's resumed tokens: usage counts prompt
+            num_cached_tokens=min(seq.num_cached_tokens, len(seq.prompt_ids)),
         )
 
     # -- conveniences ----------------------------------------------------------------

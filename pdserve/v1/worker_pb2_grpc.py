@@ -52,8 +52,8 @@ class PrefillWorkerServicer:
         Caller: a decode worker, which has reserved the destination blocks first. Deadline: the
         call's gRPC deadline equals PrefillRequest.deadline_ms.
 
-        Contract: OK means the KV of every prompt token is in the destination blocks and
-        visible to the reader (every write completed). Any error means the destination blocks'
+        Contract: OK means the KV of every prompt token from kv_destination.num_present_tokens
+        on is in the destination blocks and visible to the reader (every write completed). Any error means the destination blocks'
         contents are undefined. KV fencing: an error reply carrying the trailing metadata
         "pdserve-kv-fenced: 1" is sent only once this worker's writer has stopped touching the
         destination (it never began, or its abort was acknowledged), so the reader may reuse the
@@ -70,7 +70,8 @@ class PrefillWorkerServicer:
         than this request and its kv_destination: nothing is written.
         INVALID_ARGUMENT     empty prompt, token id >= vocab size, a bad sampling parameter,
         block_ids not covering the prompt exactly, a block id outside the
-        region, a transport this worker does not serve.
+        region, num_present_tokens not a block multiple below the prompt
+        length, a transport this worker does not serve.
         FAILED_PRECONDITION  a region layout incompatible with the writer's.
         RESOURCE_EXHAUSTED   the KV pool is full now; retry elsewhere or prefill locally.
         DEADLINE_EXCEEDED    the deadline passed.
@@ -158,9 +159,11 @@ class DecodeWorkerServicer:
         (the stream lives as long as generation); cancelling the call aborts the request and
         frees its KV blocks.
 
-        The worker reserves KV blocks, has the prompt prefilled (by prefill_address, or locally
-        when it is empty or the prompt is short enough for the worker's local-prefill limit),
-        then streams DecodeEvents: the first as soon as the first token exists, and then one
+        The worker reserves KV blocks (reusing the blocks of the prompt's longest prefix its own
+        prefix cache holds: earlier requests' prompts and outputs), has the prompt prefilled (by
+        prefill_address, which then writes only the blocks the worker lacks; locally exactly
+        when prefill_address is empty, or always on a colocated worker), then streams
+        DecodeEvents: the first as soon as the first token exists, and then one
         per decode step (several tokens may be coalesced into one event when the reader is
         slower than generation). Exactly the last event has finish_reason set and carries usage.
 

@@ -40,6 +40,18 @@ ERRORS = Counter(
 TRANSFER_BYTES = Counter(
     "pdserve:kv_transfer_bytes_total", "KV bytes moved between workers.", ["role", "transport"]
 )
+PROMPT_TOKENS_CACHED = Counter(
+    "pdserve:prompt_tokens_cached_total",
+    "Prompt tokens whose KV this worker already held (its prefix cache): a prefill worker's "
+    "plan hit, a decode worker's reserve hit for a remote prefill, a local prefill's hit.",
+    ["role"],
+)
+PROMPT_TOKENS_COMPUTED = Counter(
+    "pdserve:prompt_tokens_computed_total",
+    "Prompt tokens this worker's forward passes computed (a remote prefill's count on the "
+    "prefill worker, none on the decode worker).",
+    ["role"],
+)
 TRANSFER_SECONDS = Histogram(
     "pdserve:kv_transfer_seconds", "Per-request KV transfer time (first write to confirmed).",
     ["role", "transport"], buckets=_LATENCY_BUCKETS,

@@ -71,7 +71,6 @@ async def _main(cfg: DecodeConfig) -> None:
         handle,
         role=cfg.role,
         worker_id=worker_id(cfg.worker, cfg.role, server),
-        local_prefill_max_tokens=cfg.local_prefill_max_tokens,
         prefill_deadline_s=cfg.prefill_deadline_s,
     )
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server.server)

@@ -32,12 +32,6 @@ class DecodeConfig:
         "shm", "how prefill workers write into this worker's KV pool", choices=TRANSPORTS
     )
     kv_port: int = setting(0, "tcp transport: port of the KV receiver (0: any free port)")
-    local_prefill_max_tokens: int = setting(
-        0,
-        "prefill prompts up to this long here even when a prefill worker is named "
-        "(conditional disaggregation; 0: never)",
-        metavar="TOKENS",
-    )
     prefill_deadline_s: float = setting(
         30.0, "deadline of a remote prefill, KV transfer included", metavar="SECONDS"
     )
@@ -49,10 +43,6 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.kv_port <= 65535:
             raise ValueError(f"kv_port must be a port number, got {self.kv_port}")
-        if self.local_prefill_max_tokens < 0:
-            raise ValueError(
-                f"local_prefill_max_tokens must be >= 0, got {self.local_prefill_max_tokens}"
-            )
         if self.prefill_deadline_s <= 0:
             raise ValueError(f"prefill_deadline_s must be > 0, got {self.prefill_deadline_s}")
 

@@ -1,13 +1,17 @@
 """The decode worker's gRPC edge: continuous batching over a paged KV cache.
 
 Request lifecycle (each stage a queue):
-  received -> blocks reserved in the registered pool (admission by free KV blocks)
-  -> Prefill RPC to the chosen prefill worker, which writes the prompt's KV straight into
-     those blocks -> joined to the running batch with its first token -> tokens streamed
-     until a stop condition -> blocks freed (finish, error or cancel).
-Without a prefill address (colocated mode, or a short prompt under the local threshold)
-the prompt is prefilled here by the same engine. A migrated request (``resume_token_ids``)
-has prompt + those tokens prefilled the same way and continues after them.
+  received -> blocks reserved in the registered pool (admission by free KV blocks; the
+     blocks of the longest prefix this pool's prefix cache holds are reused: earlier
+     requests' prompts and outputs, so a conversation's next turn finds the last one's)
+  -> Prefill RPC to the chosen prefill worker, which writes the KV of the rest of the
+     prompt straight into those blocks (``num_present_tokens``: what is already here)
+  -> joined to the running batch with its first token -> tokens streamed until a stop
+     condition -> blocks freed (finish, error or cancel; full ones stay cached).
+Exactly when the request names no prefill worker (or on a colocated worker) the prompt is
+prefilled here by the same engine: the scheduler alone decides local vs remote prefill.
+A migrated request (``resume_token_ids``) has prompt + those tokens prefilled the same way
+and continues after them.
 
 KV fencing, the reader's half: reserved blocks whose prefill did not deliver are set aside
 (``AsyncEngine.fence``: the request id is free for another attempt) and reused only once
@@ -65,14 +69,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         region: MemoryRegionHandle | None,
         *,
         role: str = "decode",
-        local_prefill_max_tokens: int = 0,
         prefill_deadline_s: float = PREFILL_DEADLINE_S,
         worker_id: str = "",
     ) -> None:
         self.aengine = aengine
         self.region = region
         self.role = role
-        self.local_prefill_max_tokens = local_prefill_max_tokens
         self.prefill_deadline_s = prefill_deadline_s
         self.worker_id = worker_id
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -80,6 +82,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self._attempts = itertools.count()
         self.inflight = 0
         self.kv_bytes_received = 0
+        metrics.PROMPT_TOKENS_CACHED.labels(role)  # exported at 0 from the start
+        metrics.PROMPT_TOKENS_COMPUTED.labels(role)
         if region is not None:  # export the series at 0 before the first transfer
             metrics.TRANSFER_BYTES.labels(role, region.transport)
             for how in ("confirmed", "lease"):
@@ -130,8 +134,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         resumed = list(request.resume_token_ids)
 
         remote = bool(request.prefill_address) and self.region is not None
-        if remote and len(ids) + len(resumed) <= self.local_prefill_max_tokens:
-            remote = False  # conditional disaggregation: a short prompt is cheaper here
         kv_bytes = 0
         try:
             if remote:
@@ -145,6 +147,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 if first:
                     metrics.TTFT.labels(self.role).observe(now - arrival)
                     first = False
+                    if not remote:  # a remote prefill's hit is counted at its reservation
+                        self._count_local_prefill(out, len(ids) + len(resumed))
                 else:
                     metrics.ITL.labels(self.role).observe(now - last)
                 last = now
@@ -174,7 +178,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     ) -> tuple[AsyncIterator[RequestOutput], int]:
         assert self.region is not None
         rid = request.request_id
-        blocks = await self.aengine.reserve(rid, ids, params, resumed)
+        reservation = await self.aengine.reserve(rid, ids, params, resumed)
+        metrics.PROMPT_TOKENS_CACHED.labels(self.role).inc(reservation.num_present_tokens)
         stub = self._prefill_stub(request.prefill_address)
         preq = worker_pb2.PrefillRequest(
             request_id=rid,
@@ -185,7 +190,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             decode_worker_id=self.worker_id,
             placement_token=request.placement_token,
             kv_destination=worker_pb2.KVDestination(
-                region=handle_to_proto(self.region), block_ids=blocks
+                region=handle_to_proto(self.region),
+                block_ids=reservation.block_ids,
+                num_present_tokens=reservation.num_present_tokens,
             ),
         )
         lease_end = time.monotonic() + self.prefill_deadline_s + LEASE_GRACE_S
@@ -211,9 +218,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise
         self.kv_bytes_received += reply.kv_transfer_bytes
         metrics.TRANSFER_BYTES.labels(self.role, self.region.transport).inc(reply.kv_transfer_bytes)
-        return self.aengine.join_prefilled(
-            rid, reply.first_token_id, reply.first_token_logprob
-        ), reply.kv_transfer_bytes
+        stream = self.aengine.join_prefilled(
+            rid,
+            reply.first_token_id,
+            reply.first_token_logprob,
+            num_cached_tokens=reply.num_cached_tokens,  # usage: what the request did not compute
+        )
+        return stream, reply.kv_transfer_bytes
+
+    def _count_local_prefill(self, first: RequestOutput, num_tokens: int) -> None:
+        """Count a prompt (+ resumed tokens) prefilled here, by its first event."""
+        metrics.PROMPT_TOKENS_CACHED.labels(self.role).inc(first.num_cached_tokens)
+        metrics.PROMPT_TOKENS_COMPUTED.labels(self.role).inc(num_tokens - first.num_cached_tokens)
 
     def _fence(self, rid: str, call: asyncio.Future[Any], lease_end: float) -> None:
         """Set the reservation aside now (the id is free for another attempt) and release

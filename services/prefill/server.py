@@ -7,6 +7,11 @@ hit) -> transfer begun -> batched with prompts that arrived close together (Asyn
 transfer confirmed in the destination -> reply. Whatever happens, the local blocks are
 released (kept in the prefix cache) only once the transfer's outcome is in.
 
+Partial transfer: the destination's leading ``num_present_tokens`` (the decode worker's own
+cached prefix) are not written, only the blocks after them. The prompt is still computed
+from this worker's own prefix cache or afresh: it never reads KV from the destination, so
+a prefix only the decode worker holds is computed here again, just not sent.
+
 KV fencing, the writer's half: an error reply carries the trailing metadata
 ``pdserve-kv-fenced: 1`` only when this worker's writer is known to have stopped touching the
 destination (it never began, or its abort came back), so the reader may reuse its blocks at
@@ -65,6 +70,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         # this worker while its earlier attempt's blocks are still held for a transfer.
         self._calls = itertools.count()
         metrics.QUEUE_TIME.labels(ROLE)  # exported from the start, as the series below
+        metrics.PROMPT_TOKENS_CACHED.labels(ROLE)
+        metrics.PROMPT_TOKENS_COMPUTED.labels(ROLE)
         for name in transports:  # export the series at 0 before the first transfer
             metrics.TRANSFER_BYTES.labels(ROLE, name)
 
@@ -115,6 +122,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                     f"kv_destination has {len(dst_ids)} blocks; {len(ids)} prompt tokens "
                     f"+ {len(resumed)} resumed need {need}"
                 )
+            skip = _present_blocks(
+                dest.num_present_tokens, handle.layout.block_size, len(ids) + len(resumed)
+            )
         except (InvalidRequestError, TransferError) as e:
             await _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
@@ -148,13 +158,16 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await self._fail(context, e, fenced=True)
         job: TransferJob | None = None
         try:
-            job = writer.begin(rid, plan.block_ids, dst_ids, deadline=deadline)
+            # The destination already holds its leading blocks: only the rest is written.
+            job = writer.begin(rid, plan.block_ids[skip:], dst_ids[skip:], deadline=deadline)
             t0 = time.monotonic()
             metrics.QUEUE_TIME.labels(ROLE).observe(t0 - arrival)
             out = await asyncio.wait_for(
                 self.aengine.run_prefill(plan, job.write_layer), deadline - t0
             )
             computed = time.monotonic()
+            metrics.PROMPT_TOKENS_CACHED.labels(ROLE).inc(out.num_cached_tokens)
+            metrics.PROMPT_TOKENS_COMPUTED.labels(ROLE).inc(plan.num_tokens - out.num_cached_tokens)
             job.finish()
             result = await _outcome(job)
         except asyncio.CancelledError:
@@ -179,6 +192,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             "prefilled",
             prompt_tokens=len(ids),
             cached_tokens=out.num_cached_tokens,
+            present_tokens=skip * handle.layout.block_size,
             kv_bytes=result.bytes,
             compute_s=round(computed - t0, 4),
             transfer_tail_s=round(done - computed, 4),
@@ -188,7 +202,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             first_token_id=out.token_id,
             first_token_logprob=out.logprob,
             num_cached_tokens=out.num_cached_tokens,
-            num_computed_tokens=len(ids) - out.num_cached_tokens,
+            num_computed_tokens=plan.num_tokens - out.num_cached_tokens,
             kv_transfer_bytes=result.bytes,
             queue_seconds=t0 - arrival,
             compute_seconds=computed - t0,
@@ -216,6 +230,19 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             log.error("transfer_outcome_lost", request_id=rid)
             return
         await self.aengine.release(rid)
+
+
+def _present_blocks(present: int, block_size: int, num_tokens: int) -> int:
+    """How many leading destination blocks already hold their KV (a KVDestination's
+    ``num_present_tokens``, of ``num_tokens`` prompt + resumed tokens): they are not written.
+    Raises InvalidRequestError unless it is a block multiple below ``num_tokens``."""
+    if present % block_size or present >= num_tokens:
+        raise InvalidRequestError(
+            f"kv_destination.num_present_tokens is {present}: it must be a multiple of the "
+            f"region's block size ({block_size}) and less than the {num_tokens} prompt + "
+            f"resumed tokens (the last token's block is always written)"
+        )
+    return present // block_size
 
 
 async def _refuse(

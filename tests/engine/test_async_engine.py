@@ -75,7 +75,7 @@ async def test_prefill_and_decode_roles(make_engine, default_tokenizer) -> None:
     pre.start()
     dec.start()
     try:
-        blocks = await dec.reserve("r", ids, GREEDY)
+        blocks = (await dec.reserve("r", ids, GREEDY)).block_ids
         layers: list[int] = []
 
         plan = await pre.plan_prefill("r", ids, GREEDY)

@@ -31,6 +31,8 @@ def _copy_layer(src: KVCache, dst: KVCache, layer: int, src_blocks, dst_blocks) 
 
 
 def _disaggregated(prefill: LLMEngine, decode: LLMEngine, prompts, params) -> list[list[int]]:
+    """Each prompt reserved on ``decode`` (its cached prefix reused), computed on
+    ``prefill``, and only the blocks the reservation lacks copied across."""
     layers_seen: list[int] = []
     reserved = {}
     plans = []
@@ -38,22 +40,27 @@ def _disaggregated(prefill: LLMEngine, decode: LLMEngine, prompts, params) -> li
         rid = f"r{i}"
         reserved[rid] = decode.reserve(rid, ids, params)
         plans.append(prefill.plan_prefill(rid, ids, params))
+    bs = decode.config.block_size
     moved = 0
 
     def on_layer(layer: int) -> None:
         nonlocal moved
         layers_seen.append(layer)
         for p in plans:
-            moved += _copy_layer(prefill.kv, decode.kv, layer, p.block_ids, reserved[p.request_id])
+            res = reserved[p.request_id]
+            k = res.num_present_tokens // bs
+            moved += _copy_layer(prefill.kv, decode.kv, layer, p.block_ids[k:], res.block_ids[k:])
 
     outs = prefill.run_prefill(plans, on_layer)
     assert layers_seen == list(range(prefill.model_config.num_layers))
-    expected = sum(len(p.block_ids) for p in plans) * prefill.kv_spec.block_bytes * 2 * 30
-    assert moved == expected
+    missing = sum(len(r.block_ids) - r.num_present_tokens // bs for r in reserved.values())
+    assert moved == missing * prefill.kv_spec.block_bytes * 2 * 30
     tokens: dict[str, list[int]] = {}
     for o in outs:
         assert prefill.release(o.request_id)
-        ev = decode.add_prefilled(o.request_id, o.token_id, o.logprob)
+        ev = decode.add_prefilled(
+            o.request_id, o.token_id, o.logprob, num_cached_tokens=o.num_cached_tokens
+        )
         tokens[o.request_id] = list(ev.new_token_ids)
     while decode.has_unfinished():
         for ev in decode.step():

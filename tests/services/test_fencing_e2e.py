@@ -32,7 +32,7 @@ def workers():
     try:
         procs["decode"] = start_service(
             "services.decode", "--port", "0", "--transport", "shm", "--kv-cache-mib", "32",
-            "--local-prefill-max-tokens", "0", "--prefill-deadline-s", "8",
+            "--prefill-deadline-s", "8",
             "--metrics-port", str(ports["decode"]),
         )  # fmt: skip
         procs["prefill"] = start_service(

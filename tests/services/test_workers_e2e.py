@@ -1,8 +1,9 @@
 """Prefill and decode workers as real processes over real gRPC, KV over shm and tcp.
 
 Greedy output of the disaggregated path equals the colocated engine's, token for token;
-the KV bytes moved equal the prompt blocks' size; cancelled and finished requests leave
-every block free; bad input gets a clear status.
+the KV bytes moved equal the size of the prompt blocks the decode worker did not already
+hold (a conversation's next turn reuses the last turn's prompt and output blocks there);
+cancelled and finished requests leave every block free; bad input gets a clear status.
 """
 
 from __future__ import annotations
@@ -12,13 +13,22 @@ import signal
 
 import grpc
 import pytest
+import torch
 
+from engine.kv_cache import KVCacheSpec
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.convert import handle_to_proto
+from services.common.grpc_errors import kv_fenced
 from tests.scrape import metric
 from tests.services.procs import ServiceProcess, start_service
+from transfer.handle import KVLayout
+from transfer.registry import get_transport
 
 MAX_TOKENS = 12
+# Bytes of one KV block of one layer's K or V: tokens x kv heads x head dim x float32.
+BLOCK_BYTES = 16 * 3 * 64 * 4
+BLOCK_ALL_LAYERS = BLOCK_BYTES * 2 * 30  # K and V of every layer: what moving a block costs
 # The decode workers' prefill deadline; with 2 s of grace, the KV lease of a failed prefill.
 PREFILL_DEADLINE_S = 10.0
 KV_MIB = "48"
@@ -115,6 +125,7 @@ async def test_disaggregated_equals_colocated(cluster, prompts, expected, transp
     procs, ports = cluster
     dec, pre = procs[transport], procs["prefill"]
     before = _metric(ports[transport], "pdserve:kv_transfer_bytes_total")
+    present_before = _metric(ports[transport], "pdserve:prompt_tokens_cached_total")
     results = await asyncio.gather(
         *(
             _generate(dec.address, _request(f"{transport}-{i}", ids, pre.address))
@@ -122,8 +133,11 @@ async def test_disaggregated_equals_colocated(cluster, prompts, expected, transp
         )
     )
     assert [toks for toks, _ in results] == expected
-    block_bytes = 16 * 3 * 64 * 4  # tokens x kv heads x head dim x float32
-    want = sum(-(-len(ids) // 16) for ids in prompts) * block_bytes * 2 * 30
+    # the blocks the decode worker already held (a prompt's prefix another of them, or a
+    # request of an earlier test, left in its cache) were not sent
+    present = _metric(ports[transport], "pdserve:prompt_tokens_cached_total") - present_before
+    assert present % 16 == 0
+    want = (sum(-(-len(ids) // 16) for ids in prompts) - present // 16) * BLOCK_ALL_LAYERS
     assert sum(last.kv_transfer_bytes for _, last in results) == want
     after = _metric(ports[transport], "pdserve:kv_transfer_bytes_total")
     assert after - before == want
@@ -285,3 +299,113 @@ async def test_sigterm_drains_in_flight_streams_then_exits(prompts) -> None:
         assert any('"draining"' in line for line in worker.output)
     finally:
         worker.kill()
+
+
+@pytest.fixture(scope="module")
+def conversation(default_tokenizer, make_engine) -> tuple[list[int], list[int], list[int]]:
+    """Turn 1's prompt, its greedy answer, and what turn 2 appends after that answer; the
+    answers computed by the colocated engine."""
+    tok = default_tokenizer
+    question = [{"role": "user", "content": "Tell me about Mars."}]
+    turn1 = tok.encode(tok.apply_chat_template(question))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    answer = make_engine().generate([turn1], params)[0].token_ids
+    follow_up = tok.encode("<|im_end|>\n<|im_start|>user\nAnd its moons?<|im_end|>\n")
+    follow_up += tok.encode("<|im_start|>assistant\n")
+    return turn1, answer, follow_up
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+async def test_a_second_turn_moves_only_the_blocks_the_decode_worker_lacks(
+    cluster, conversation, make_engine, transport
+) -> None:
+    """Turn 2's prompt is turn 1's prompt + answer + a new question. The decode worker kept
+    turn 1's blocks (prompt and output), reserves them as present, and the prefill worker
+    writes only the rest; the tokens are still the colocated engine's."""
+    procs, ports = cluster
+    dec, pre = procs[transport], procs["prefill"]
+    turn1, answer, follow_up = conversation
+    toks1, _ = await _generate(
+        dec.address, _request(f"turn1-{transport}", turn1, pre.address, max_tokens=24)
+    )
+    assert toks1 == answer
+
+    turn2 = turn1 + toks1 + follow_up
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    expected = make_engine().generate([turn2], greedy)[0].token_ids
+
+    def read() -> dict[str, float]:
+        return {
+            "present": _metric(ports[transport], "pdserve:prompt_tokens_cached_total"),
+            "decode_computed": _metric(ports[transport], "pdserve:prompt_tokens_computed_total"),
+            "bytes": _metric(ports[transport], "pdserve:kv_transfer_bytes_total"),
+            "prefill_cached": _metric(ports["prefill"], "pdserve:prompt_tokens_cached_total"),
+            "prefill_computed": _metric(ports["prefill"], "pdserve:prompt_tokens_computed_total"),
+        }
+
+    before = read()
+    toks2, last = await _generate(dec.address, _request(f"turn2-{transport}", turn2, pre.address))
+    delta = {k: v - before[k] for k, v in read().items()}
+    assert toks2 == expected
+
+    # Turn 1's last token was sampled, never computed: every full block before it is present.
+    present = (len(turn1) + len(toks1) - 1) // 16 * 16
+    assert delta["present"] == present > len(turn1)  # turn 1's output blocks reused too
+    written = -(-len(turn2) // 16) - present // 16
+    assert last.kv_transfer_bytes == delta["bytes"] == written * BLOCK_ALL_LAYERS
+    new_tokens = len(turn2) - (len(turn1) + len(toks1) - 1)
+    assert last.kv_transfer_bytes <= (-(-new_tokens // 16) + 1) * BLOCK_ALL_LAYERS
+    assert last.kv_transfer_bytes < -(-len(turn2) // 16) * BLOCK_ALL_LAYERS
+    # usage.cached_tokens: what this request did not compute, the prefill worker's own hit
+    assert delta["decode_computed"] == 0
+    assert last.usage.cached_tokens == delta["prefill_cached"] > 0
+    assert delta["prefill_computed"] == len(turn2) - last.usage.cached_tokens
+    assert last.usage.prompt_tokens == len(turn2)
+    assert await _wait_metric(ports[transport], "pdserve:kv_cache_usage_perc", 0.0) == 0.0
+
+
+@pytest.fixture
+def region(default_checkpoint):
+    """A KV region of this test process laid out like the workers' pools (shm)."""
+    spec = KVCacheSpec.for_model(
+        default_checkpoint.config, num_blocks=4, block_size=16, dtype=torch.float32
+    )
+    transport = get_transport("shm")
+    try:
+        yield transport.register(KVLayout.from_spec(spec))
+    finally:
+        transport.close()
+
+
+def _prefill_request(region, present: int) -> worker_pb2.PrefillRequest:
+    return worker_pb2.PrefillRequest(
+        request_id=f"present-{present}",
+        prompt_token_ids=list(range(200, 232)),  # 32 tokens: 2 blocks
+        sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0),
+        deadline_ms=30_000,
+        kv_destination=worker_pb2.KVDestination(
+            region=handle_to_proto(region.handle), block_ids=[2, 3], num_present_tokens=present
+        ),
+    )
+
+
+async def test_prefill_writes_only_the_blocks_after_num_present_tokens(cluster, region) -> None:
+    procs, _ = cluster
+    async with grpc.aio.insecure_channel(procs["prefill"].address) as ch:
+        stub = worker_pb2_grpc.PrefillWorkerStub(ch)
+        # not a block multiple; the whole prompt (the last token is always computed); beyond
+        for present in (8, 32, 48):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Prefill(_prefill_request(region, present), timeout=30)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, present
+            assert "num_present_tokens is" in (e.value.details() or ""), e.value.details()
+            assert kv_fenced(e.value)  # refused before any writer began
+        await asyncio.sleep(0.3)  # nothing still in flight lands later either
+        assert not region.tensor.any(), "a refused prefill wrote into the destination"
+        reply = await stub.Prefill(_prefill_request(region, 16), timeout=60)
+    assert reply.kv_transfer_bytes == BLOCK_ALL_LAYERS  # block 3 only
+    assert reply.num_computed_tokens + reply.num_cached_tokens == 32
+    # [layer, K/V, block, token, head, dim]
+    blocks = region.tensor.view(torch.float32).view(30, 2, 4, 16, 3, 64)
+    assert blocks[:, :, 3].abs().sum(dim=(2, 3, 4)).gt(0).all()  # every layer's K and V
+    assert not blocks[:, :, [0, 1, 2]].any()  # the present block is left as it was
