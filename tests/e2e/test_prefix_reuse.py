@@ -29,7 +29,7 @@ TOPICS = ("tides", "volcanoes", "bees", "glaciers")
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     args = load_up_config(
-        ["--prefill", "2", "--decode", "1", "--kv-cache-mib", "192",
+        ["--prefill", "2", "--decode", "1", "--kv-cache-mib", "512",
          "--local-prefill-max-tokens", "0", "--routing", "cache-aware",
          "--http-port", str(free_port()), "--grpc-port", str(free_port()),
          "--heartbeat-ttl-s", "3"], {}
@@ -47,7 +47,7 @@ def system_prompt(k: int) -> str:
     rules = " ".join(
         f"Rule {i} of the {TOPICS[k]} desk: cite a source for claim {i} and keep answer {i} "
         "under forty words."
-        for i in range(42)
+        for i in range(33)
     )
     return f"You are desk {k}, an expert on {TOPICS[k]}. {rules}"
 
