@@ -86,8 +86,9 @@ def verdict(passed: bool | None) -> str:
 
 RUN_HEADER = (
     "workload", "policy", "ok", "failed", "TTFT p50 ms", "later turns TTFT p50 ms",
-    "E2E p50 ms", "prompt tok", "computed tok (requests)", "computed tok (workers)",
-    "cached %", "KV MiB/req", "later turns KV MiB/req", "later turns within KV bound",
+    "E2E p50 ms", "ITL p50 / p99 ms", "prompt tok", "computed tok (requests)",
+    "computed tok (workers)", "cached %", "KV MiB/req", "later turns KV MiB/req",
+    "later turns within KV bound",
 )  # fmt: skip
 WORKER_HEADER = ("workload", "policy", "worker", "cached tok", "computed tok", "hit rate",
                  "KV MiB moved")  # fmt: skip
@@ -100,7 +101,8 @@ def run_table(runs: list[WorkloadRun]) -> str:
         bound = f"{f.bytes_ok}/{f.bytes_checked}" if f.bytes_checked else "-"
         rows.append([
             f.workload, f.policy, str(f.requests - f.failed), str(f.failed), _n(f.ttft_p50_ms),
-            _n(f.later_ttft_p50_ms), _n(f.e2e_p50_ms), _n(f.prompt_tokens),
+            _n(f.later_ttft_p50_ms), _n(f.e2e_p50_ms),
+            f"{_n(f.itl_p50_ms)} / {_n(f.itl_p99_ms)}", _n(f.prompt_tokens),
             _n(f.computed_tokens), _n(f.worker_computed),
             _pct(f.cached_tokens / f.prompt_tokens if f.prompt_tokens else None),
             _mib(f.kv_bytes_mean), _mib(f.later_kv_bytes_mean), bound,

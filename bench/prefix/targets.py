@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from bench._common import percentile, ratio
 from bench.prefix.config import BASELINE, CANDIDATE
 from bench.prefix.workers import WorkerCounters
-from bench.serve.metrics import MS, e2e, ttft
+from bench.serve.metrics import MS, e2e, itls, ttft
 from bench.serve.result import BenchResult, RequestRecord
 
 HALF = 0.5
@@ -88,6 +88,8 @@ class RunFigures:
     ttft_p50_ms: float | None
     later_ttft_p50_ms: float | None
     e2e_p50_ms: float | None
+    itl_p50_ms: float | None
+    itl_p99_ms: float | None
     prompt_tokens: int
     computed_tokens: int
     cached_tokens: int
@@ -140,6 +142,7 @@ def figures(
         return [t * MS for r in rs if (t := ttft(r)) is not None]
 
     checks = bytes_checks(result, layout)
+    gaps = [g * MS for r in ok for g in itls(r)]
     return RunFigures(
         policy=policy,
         workload=workload,
@@ -148,6 +151,8 @@ def figures(
         ttft_p50_ms=_p50(ttfts(ok)),
         later_ttft_p50_ms=_p50(ttfts(later)),
         e2e_p50_ms=_p50([e2e(r) * MS for r in ok]),
+        itl_p50_ms=_p50(gaps),
+        itl_p99_ms=percentile(gaps, 99.0) if gaps else None,
         prompt_tokens=sum(r.prompt_tokens for r in ok),
         computed_tokens=sum(r.prompt_tokens - (r.cached_tokens or 0) for r in ok),
         cached_tokens=sum(r.cached_tokens or 0 for r in ok),

@@ -173,7 +173,9 @@ async def send_request(
                     error = f"HTTP {status}: {body.strip()[:_MAX_ERROR_CHARS]}"
                 else:
                     async for event in sse_events(resp.content):
-                        if event.text:
+                        # A first token that ends the request (EOS) has no text: the chunk
+                        # that finishes the choice is its arrival.
+                        if event.text or (event.finish_reason and not times):
                             times.append(time.perf_counter() - t0)
                             texts.append(event.text)
                         usage = event.usage or usage

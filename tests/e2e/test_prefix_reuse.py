@@ -13,17 +13,16 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import openai
 import pytest
 
+from bench.prefix.probe import ask, format_rounds, run_rounds, system_prompt
 from services.launcher import Stack, free_port
 from services.up import launch, load_up_config, supervise
 
 ROUNDS = 4
 PREFIXES = 4
-TOPICS = ("tides", "volcanoes", "bees", "glaciers")
 
 
 @pytest.fixture(scope="module")
@@ -40,47 +39,6 @@ def stack(tmp_path_factory):
         yield st, endpoints
     finally:
         st.stop()
-
-
-def system_prompt(k: int) -> str:
-    """A ~900-token system prompt, distinct per ``k`` from its first words."""
-    rules = " ".join(
-        f"Rule {i} of the {TOPICS[k]} desk: cite a source for claim {i} and keep answer {i} "
-        "under forty words."
-        for i in range(33)
-    )
-    return f"You are desk {k}, an expert on {TOPICS[k]}. {rules}"
-
-
-@dataclass(frozen=True)
-class Answer:
-    ttft_s: float
-    cached_tokens: int
-    prompt_tokens: int
-
-
-async def ask(client: openai.AsyncOpenAI, model: str, k: int, question: str) -> Answer:
-    started = time.monotonic()
-    stream = await client.chat.completions.create(
-        model=model,
-        messages=[
-            {"role": "system", "content": system_prompt(k)},
-            {"role": "user", "content": question},
-        ],
-        max_tokens=4,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    ttft = None
-    usage = None
-    async for chunk in stream:
-        if ttft is None and chunk.choices:
-            ttft = time.monotonic() - started
-        usage = chunk.usage or usage
-    assert ttft is not None and usage is not None and usage.prompt_tokens_details is not None
-    cached = usage.prompt_tokens_details.cached_tokens or 0
-    return Answer(ttft, cached, usage.prompt_tokens)
 
 
 def shared_tokens(tokenizer, k: int) -> int:
@@ -110,17 +68,10 @@ async def test_four_prefixes_hit_after_round_0_on_two_prefill_workers(
     model = (await client.models.list()).data[0].id
     shared = [shared_tokens(default_tokenizer, k) for k in range(PREFIXES)]
     assert all(n >= 800 for n in shared), shared
-    rounds: list[list[Answer]] = []
-    for r in range(ROUNDS):
-        asks = (ask(client, model, k, f"Round {r}: what is fact number {r + k}?")
-                for k in range(PREFIXES))  # fmt: skip
-        rounds.append(list(await asyncio.wait_for(asyncio.gather(*asks), 180)))
-    # One request alone, its prefix cached: the single-worker hit the rounds compare with.
-    alone = await ask(client, model, 0, "One last question, asked alone?")
-    for r, answers in enumerate(rounds):
-        print(f"round {r}: TTFT " + " ".join(f"{a.ttft_s:.2f}" for a in answers)
-              + " s; cached " + " ".join(str(a.cached_tokens) for a in answers))  # fmt: skip
-    print(f"alone, cached: TTFT {alone.ttft_s:.2f} s, cached {alone.cached_tokens}")
+    rounds, alone = await asyncio.wait_for(
+        run_rounds(client, model, prefixes=PREFIXES, rounds=ROUNDS), 300
+    )
+    print(format_rounds(rounds, alone))
     assert all(a.cached_tokens < 100 for a in rounds[0]), "round 0 must start cold"
     for r in range(1, ROUNDS):
         for k, a in enumerate(rounds[r]):
@@ -157,7 +108,8 @@ async def test_a_restarted_scheduler_routes_its_first_request_to_the_prefix(
     client = client_of(endpoints)
     model = (await client.models.list()).data[0].id
     await asyncio.wait_for(
-        asyncio.gather(*(ask(client, model, k, "Warm the prefix, please?") for k in (1, 2))), 120
+        asyncio.gather(*(ask(client, model, system_prompt(k), "Warm it, please?") for k in (1, 2))),
+        120,
     )
     said: list[str] = []
     victim = st.named("scheduler")
@@ -168,12 +120,12 @@ async def test_a_restarted_scheduler_routes_its_first_request_to_the_prefix(
         killed = time.monotonic()
         while True:
             try:
-                first = await ask(client, model, 1, "The first question after the restart?")
+                first = await ask(client, model, system_prompt(1), "First after the restart?")
                 break
             except openai.APIError:
                 assert time.monotonic() - killed < 30, f"not served again: {said}"
                 await asyncio.sleep(0.2)
-        second = await ask(client, model, 2, "And the second one?")
+        second = await ask(client, model, system_prompt(2), "And the second one?")
     assert any(line.startswith("scheduler restarted") for line in said), said
     print(f"after the scheduler restart: {first}, then {second}")
     assert first.cached_tokens >= shared_tokens(default_tokenizer, 1), first

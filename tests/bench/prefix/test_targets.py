@@ -68,7 +68,8 @@ def test_figures_prefer_the_workers_counters() -> None:
 def _fig(policy: str, workload: str = "multi-turn", **kw: object) -> RunFigures:
     base = RunFigures(
         policy=policy, workload=workload, requests=8, failed=0, ttft_p50_ms=1000.0,
-        later_ttft_p50_ms=900.0, e2e_p50_ms=2000.0, prompt_tokens=4000, computed_tokens=4000,
+        later_ttft_p50_ms=900.0, e2e_p50_ms=2000.0, itl_p50_ms=50.0, itl_p99_ms=90.0,
+        prompt_tokens=4000, computed_tokens=4000,
         cached_tokens=0, worker_computed=4000.0, kv_bytes_mean=1e6,
         later_kv_bytes_mean=1e6, bytes_ok=0, bytes_checked=6, bytes_unknown=0,
     )  # fmt: skip

@@ -250,3 +250,24 @@ async def test_while_tag_requests_are_dropped_once_the_tag_is_done(serve: Serve)
     assert [(r.index, r.tag) for r in result.records] == [(0, "stream"), (1, "long")]
     assert result.config["dropped"] == 2
     assert json.loads(json.dumps(result.to_dict()))["config"]["dropped"] == 2
+
+
+async def test_a_first_token_that_ends_the_request_is_timed(serve: Serve) -> None:
+    """EOS as the first token: no text ever comes, and the chunk that finishes the choice
+    is when the token arrived (the request has a TTFT)."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        resp = await start_stream(request)
+        await resp.write(sse({"choices": [{"delta": {"role": "assistant", "content": ""},
+                                            "finish_reason": None}]}))  # fmt: skip
+        await asyncio.sleep(0.05)
+        await resp.write(sse({"choices": [{"delta": {}, "finish_reason": "stop"}]}))
+        await resp.write(sse(usage_chunk(30, 1)))
+        await resp.write(sse("[DONE]"))
+        return resp
+
+    url = await serve(recording_stream([], [], None), chat)
+    result = await run(url, [spec(output=2)], endpoint="chat")
+    (r,) = result.records
+    assert r.ok and r.completion_tokens == 1 and r.finish_reason == "stop"
+    assert len(r.token_times_s) == 1 and r.token_times_s[0] >= r.send_s + 0.04
