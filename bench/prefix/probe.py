@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.base_url:
         print(asyncio.run(_probe(args.base_url, args.prefixes, args.rounds)))
         return 0
-    from services.launcher import Stack, free_port
+    from services.launcher import Stack, default_log_dir, free_port
     from services.up import launch, load_up_config
 
     up = load_up_config(
@@ -125,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
          "--local-prefill-max-tokens", "0", "--http-port", str(free_port()),
          "--grpc-port", str(free_port())], {}
     )  # fmt: skip
-    stack = Stack()
+    stack = Stack(log_dir=default_log_dir())
     try:
         endpoints = launch(up, stack)
         print(f"pdserve up --prefill {args.prefill} --decode 1 --routing {args.routing} "

@@ -144,6 +144,17 @@ def parse_sse_line(line: bytes | str) -> SseEvent | None:
     )
 
 
+def http_session() -> aiohttp.ClientSession:
+    """The client session a benchmark sends through: no connection cap (the arrival pattern
+    or the concurrency is the only limit), no session-wide timeout (each request has its
+    own deadline), a 1 MiB read buffer (long SSE lines)."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0),
+        timeout=aiohttp.ClientTimeout(total=None),
+        read_bufsize=1 << 20,
+    )
+
+
 async def send_request(
     session: aiohttp.ClientSession,
     root_url: str,

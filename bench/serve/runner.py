@@ -27,7 +27,13 @@ from bench.serve.arrival import (
     describe,
     open_loop_offsets,
 )
-from bench.serve.client import ClientOptions, Endpoint, PromptFormat, send_request
+from bench.serve.client import (
+    ClientOptions,
+    Endpoint,
+    PromptFormat,
+    http_session,
+    send_request,
+)
 from bench.serve.result import BenchResult, RequestRecord
 from bench.serve.workload import RequestSpec
 
@@ -92,10 +98,7 @@ async def run_benchmark(
     arrival = arrival or Schedule()
     opts = ClientOptions(endpoint, prompt_format, ignore_eos, timeout_s)
     root = root_url(base_url)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(total=None), read_bufsize=1 << 20
-    ) as session:
+    async with http_session() as session:
         if model is None:
             model = await fetch_model(session, root, timeout_s)
         tags = _Tags(requests)

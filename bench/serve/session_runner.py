@@ -16,11 +16,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import aiohttp
 from tqdm import tqdm
 
 from bench.serve.arrival import Concurrency, describe
-from bench.serve.client import ClientOptions, send_request
+from bench.serve.client import ClientOptions, http_session, send_request
 from bench.serve.result import BenchResult, RequestRecord
 from bench.serve.runner import closed_loop, fetch_model, root_url
 from bench.serve.sessions import Session, turn_request
@@ -48,10 +47,7 @@ async def run_sessions(
     root = root_url(base_url)
     first_index = [0, *itertools.accumulate(s.turns for s in sessions)]
     total = first_index[-1]
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(total=None), read_bufsize=1 << 20
-    ) as http:
+    async with http_session() as http:
         if model is None:
             model = await fetch_model(http, root, timeout_s)
         records: list[RequestRecord] = []

@@ -10,16 +10,15 @@ a repeated prefix to the worker that holds it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
 
 import openai
 import pytest
 
 from bench.prefix.probe import ask, format_rounds, run_rounds, system_prompt
 from services.launcher import Stack, free_port
-from services.up import launch, load_up_config, supervise
+from services.up import launch, load_up_config
+from tests.e2e.supervision import supervised
 
 ROUNDS = 4
 PREFIXES = 4
@@ -77,24 +76,6 @@ async def test_four_prefixes_hit_after_round_0_on_two_prefill_workers(
         for k, a in enumerate(rounds[r]):
             assert a.cached_tokens >= shared[k], (r, k, a, shared[k])
     assert alone.cached_tokens >= shared[0]
-
-
-@contextlib.asynccontextmanager
-async def supervised(st: Stack, said: list[str]) -> AsyncIterator[None]:
-    """``pdserve up``'s supervisor, ticking in the background as ``pdserve up`` does."""
-    supervisor = supervise(st, said.append)
-
-    async def tick() -> None:
-        while supervisor.tick() is None:
-            await asyncio.sleep(0.1)
-
-    task = asyncio.create_task(tick())
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 async def test_a_restarted_scheduler_routes_its_first_request_to_the_prefix(

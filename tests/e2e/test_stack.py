@@ -8,10 +8,8 @@ One decode worker takes KV over shm, the other over tcp, so every check runs bot
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
-from collections.abc import AsyncIterator
 
 import grpc
 import openai
@@ -28,7 +26,8 @@ from pdserve.v1 import (
 )
 from services.launcher import Stack, free_port
 from services.supervisor import RestartPolicy, Supervisor
-from services.up import launch, load_up_config, pin_plan, supervise, worker_placement
+from services.up import launch, load_up_config, pin_plan, worker_placement
+from tests.e2e.supervision import supervised
 from tests.scrape import metric
 
 MAX_TOKENS = 16
@@ -465,31 +464,6 @@ async def test_the_supervisor_restarts_dead_workers_and_the_stack_serves_on(
     assert [t for t, _ in results] == [expected[q] for q in QUESTIONS]
 
 
-@contextlib.asynccontextmanager
-async def _supervised(st: Stack, said: list[str]) -> AsyncIterator[None]:
-    """``pdserve up``'s own supervisor (every process restartable), ticking in the
-    background as ``pdserve up`` does."""
-    supervisor = supervise(st, said.append)
-    stopped: list[str] = []
-
-    async def tick() -> None:
-        while True:
-            reason = supervisor.tick()
-            if reason is not None:
-                stopped.append(reason)
-                return
-            await asyncio.sleep(0.1)
-
-    task = asyncio.create_task(tick())
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-    assert not stopped, stopped
-
-
 async def _served_within(client, model: str, timeout_s: float) -> float:
     """Seconds until a request is answered again (retrying while the stack recovers)."""
     started = time.monotonic()
@@ -549,7 +523,7 @@ async def test_a_killed_redis_is_restarted_and_requests_are_served_throughout(
     # Redis down, nothing restarted yet: placement goes on from the scheduler's memory.
     text, _ = await _chat(client, model, QUESTIONS[2])
     assert text == expected[QUESTIONS[2]]
-    async with _supervised(st, said):
+    async with supervised(st, said):
         took = await _served_within(client, model, timeout_s=10)
         while not victim.ready.is_set():
             assert time.monotonic() - killed < 10, said
@@ -573,7 +547,7 @@ async def test_a_killed_scheduler_leaves_streams_running_and_comes_back(stack, e
     model = await _model(client)
     said: list[str] = []
     victim = st.named("scheduler")
-    async with _supervised(st, said):
+    async with supervised(st, said):
         stream = await client.chat.completions.create(
             model=model,
             messages=[{"role": "user", "content": "Write a long poem about the sea."}],
