@@ -152,3 +152,13 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     ]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def percent_cell(value: float | None) -> str:
+    """A table cell: a fraction as a percentage with one decimal, ``-`` when missing."""
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def mib_cell(value: float | None) -> str:
+    """A table cell: bytes in MiB with two decimals, ``-`` when missing."""
+    return "-" if value is None else f"{value / (1 << 20):.2f}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from bench._common import markdown_table
+from bench._common import markdown_table, mib_cell, percent_cell
 from bench.prefix.targets import KvLayout, RunFigures, Target, bytes_checks, targets
 from bench.prefix.workers import WorkerCounters
 from bench.serve.result import BenchResult
@@ -72,14 +72,6 @@ def _n(value: float | None, fmt: str = ",.0f") -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.1f}%"
-
-
-def _mib(value: float | None) -> str:
-    return "-" if value is None else f"{value / (1 << 20):.2f}"
-
-
 def verdict(passed: bool | None) -> str:
     return {True: "PASS", False: "FAIL", None: "not judged"}[passed]
 
@@ -104,16 +96,16 @@ def run_table(runs: list[WorkloadRun]) -> str:
             _n(f.later_ttft_p50_ms), _n(f.e2e_p50_ms),
             f"{_n(f.itl_p50_ms)} / {_n(f.itl_p99_ms)}", _n(f.prompt_tokens),
             _n(f.computed_tokens), _n(f.worker_computed),
-            _pct(f.cached_tokens / f.prompt_tokens if f.prompt_tokens else None),
-            _mib(f.kv_bytes_mean), _mib(f.later_kv_bytes_mean), bound,
+            percent_cell(f.cached_tokens / f.prompt_tokens if f.prompt_tokens else None),
+            mib_cell(f.kv_bytes_mean), mib_cell(f.later_kv_bytes_mean), bound,
         ])  # fmt: skip
     return markdown_table(RUN_HEADER, rows)
 
 
 def worker_table(runs: list[WorkloadRun]) -> str:
     rows = [
-        [r.workload, r.policy, c.worker, _n(c.cached), _n(c.computed), _pct(c.hit_rate),
-         _mib(c.kv_bytes)]
+        [r.workload, r.policy, c.worker, _n(c.cached), _n(c.computed), percent_cell(c.hit_rate),
+         mib_cell(c.kv_bytes)]
         for r in runs
         for c in r.workers.values()
     ]  # fmt: skip

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
-from bench._common import markdown_table, ratio
+from bench._common import markdown_table, mib_cell, percent_cell, ratio
 from bench.serve.metrics import Stats, stats
 from bench.serve.result import BenchResult, RequestRecord
 
@@ -102,14 +102,6 @@ def summarize_reuse_by_tag(result: BenchResult) -> dict[str, ReuseSummary]:
     return out
 
 
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.1f}%"
-
-
-def _mib(value: float | None) -> str:
-    return "-" if value is None else f"{value / (1 << 20):.2f}"
-
-
 REUSE_HEADER = (
     "tag", "requests", "prompt tok", "cached tok", "computed tok", "hit rate",
     "KV MiB/req p50", "KV MiB/req mean", "KV MiB/req max",
@@ -125,8 +117,8 @@ def reuse_table(summaries: Mapping[str, ReuseSummary]) -> str:
         t = s.total
         rows.append([
             name, str(t.requests), str(t.prompt_tokens), str(t.cached_tokens),
-            str(t.computed_tokens), _pct(t.hit_rate), _mib(s.kv_bytes.p50),
-            _mib(s.kv_bytes.mean), _mib(s.kv_bytes.max),
+            str(t.computed_tokens), percent_cell(t.hit_rate), mib_cell(s.kv_bytes.p50),
+            mib_cell(s.kv_bytes.mean), mib_cell(s.kv_bytes.max),
         ])  # fmt: skip
     return markdown_table(REUSE_HEADER, rows)
 
@@ -135,7 +127,7 @@ def worker_table(summary: ReuseSummary) -> str:
     """One markdown row per worker of ``summary``."""
     rows = [
         [name, str(w.requests), str(w.prompt_tokens), str(w.cached_tokens),
-         str(w.computed_tokens), _pct(w.hit_rate), _mib(w.kv_transfer_bytes)]
+         str(w.computed_tokens), percent_cell(w.hit_rate), mib_cell(w.kv_transfer_bytes)]
         for name, w in summary.workers.items()
     ]  # fmt: skip
     return markdown_table(WORKER_HEADER, rows)
