@@ -273,6 +273,22 @@ class LLMEngine:
     # the other blocks) -> add_prefilled, or cancel_reservation if the prefill failed.
     # Both run on the engine's one thread.
 
+    def _claim_blocks(self, seq: Sequence) -> None:
+        """Give a fresh sequence the cached blocks of its longest cached prefix and allocate
+        the rest. On failure nothing stays claimed: CapacityError when the rest can never
+        fit the pool, ResourceExhaustedError when it does not fit now."""
+        hit = self.scheduler.match_prefix(seq)
+        need = self.blocks.blocks_needed(seq.num_tokens) - len(seq.block_table)
+        try:
+            if need > self.blocks.num_blocks:
+                raise CapacityError(
+                    f"prompt needs {need} KV blocks; the cache has {self.blocks.num_blocks}"
+                )
+            seq.block_table.extend(self.blocks.allocate(need))
+        except Exception:
+            self.scheduler.undo_hit(seq, hit)
+            raise
+
     def plan_prefill(
         self,
         request_id: str,
@@ -291,18 +307,7 @@ class LLMEngine:
             request_id, list(prompt_ids), params, generates_here=False, resumed=resumed
         )
         seq = self._sequence(request_id, ids, params, resumed)
-        hit = self.scheduler.match_prefix(seq)
-        need = self.blocks.blocks_needed(seq.num_tokens) - len(seq.block_table)
-        if need > self.blocks.num_blocks:
-            self.scheduler.undo_hit(seq, hit)
-            raise CapacityError(
-                f"prompt needs {need} KV blocks; the cache has {self.blocks.num_blocks}"
-            )
-        try:
-            seq.block_table.extend(self.blocks.allocate(need))
-        except Exception:
-            self.scheduler.undo_hit(seq, hit)
-            raise
+        self._claim_blocks(seq)
         self._held[request_id] = seq
         return PrefillPlan(
             request_id, tuple(seq.block_table), seq.num_tokens, seq.num_cached_tokens
@@ -364,13 +369,7 @@ class LLMEngine:
                 f"decode batch is full ({self.config.max_num_seqs} sequences)"
             )
         seq = self._sequence(request_id, ids, params, resumed)
-        hit = self.scheduler.match_prefix(seq)
-        try:
-            need = self.blocks.blocks_needed(seq.num_tokens) - len(seq.block_table)
-            seq.block_table.extend(self.blocks.allocate(need))
-        except Exception:
-            self.scheduler.undo_hit(seq, hit)
-            raise
+        self._claim_blocks(seq)
         self._held[request_id] = seq
         return Reservation(request_id, tuple(seq.block_table), seq.num_computed)
 
