@@ -35,6 +35,7 @@ def _generator(params: SamplingParams) -> torch.Generator | None:
     return None if params.seed is None else torch.Generator().manual_seed(params.seed)
 
 
+WEIGHT_FORMATS = ("float32", "quantized")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -54,8 +55,15 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     cpu_kernels: bool = True  # False: the torch reference only (no packed linears, no C++)
+    # "quantized": a GGUF's quantized tensors stay packed blocks (kernels/quant_linear.py);
+    # "float32": every tensor dequantized into a dense weight (exact parity mode).
+    weights: str = "float32"
 
     def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_FORMATS:
+            raise InvalidRequestError(
+                f"weights must be one of {list(WEIGHT_FORMATS)}, got {self.weights!r}"
+            )
         if self.dtype not in _DTYPES:
             raise InvalidRequestError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
