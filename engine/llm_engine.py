@@ -14,6 +14,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import structlog
 import torch
 
 from engine.block_manager import BlockManager
@@ -29,6 +30,10 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import Tokenizer
+from kernels.quant_linear import QuantizedWeight
+from kernels.quant_linear import kernel_available as quant_kernel_available
+
+log = structlog.get_logger(__name__)
 
 
 def _generator(params: SamplingParams) -> torch.Generator | None:
@@ -63,6 +68,11 @@ class EngineConfig:
         if self.weights not in WEIGHT_FORMATS:
             raise InvalidRequestError(
                 f"weights must be one of {list(WEIGHT_FORMATS)}, got {self.weights!r}"
+            )
+        if self.weights == "quantized" and self.dtype != "float32":
+            raise InvalidRequestError(
+                f"quantized weights compute in float32; dtype {self.dtype!r} needs "
+                "weights='float32'"
             )
         if self.dtype not in _DTYPES:
             raise InvalidRequestError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
@@ -120,6 +130,26 @@ class CompletionResult:
     num_cached_tokens: int = 0
 
 
+def _weight_format(config: EngineConfig) -> str:
+    """The format this engine loads: quantized needs the compiled kernel (and its
+    ``cpu_kernels`` setting); without them the exact float32 path serves instead."""
+    if config.weights != "quantized":
+        return config.weights
+    if config.cpu_kernels and quant_kernel_available():
+        return "quantized"
+    log.warning(
+        "quantized_weights_unavailable",
+        reason="cpu kernels off" if not config.cpu_kernels else "kernel did not build",
+        serving="float32",
+    )
+    return "float32"
+
+
+def _format_of(checkpoint: Checkpoint) -> str:
+    packed = any(isinstance(t, QuantizedWeight) for t in checkpoint.tensors.values())
+    return "quantized" if packed else "float32"
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -133,7 +163,12 @@ class LLMEngine:
         region a prefill worker writes into); by default the engine allocates it."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        ckpt = checkpoint or load_checkpoint(config.model, dtype=config.torch_dtype)
+        self.weight_format = _weight_format(config)
+        ckpt = checkpoint or load_checkpoint(
+            config.model, dtype=config.torch_dtype, quantized=self.weight_format == "quantized"
+        )
+        if checkpoint is not None:
+            self.weight_format = _format_of(checkpoint)
         self.config = config
         self.model_config = ckpt.config
         self.tokenizer = tokenizer or Tokenizer.from_path(ckpt.path)

@@ -1,8 +1,10 @@
 """Llama-family decoder in plain PyTorch: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
 Weights arrive with Hugging Face names (``engine/checkpoint.py``) and are fused here:
-q/k/v into one projection and gate/up into another, so a layer is four matrix products,
-each a ``kernels.linear.PackedLinear`` (weights pre-packed for oneDNN on float32 CPU).
+q/k/v into one projection and gate/up into another, so a layer is four matrix products.
+A dense weight is a ``kernels.linear.PackedLinear`` (pre-packed for oneDNN on float32 CPU);
+a GGUF matrix kept as packed blocks a ``kernels.quant_linear.QuantLinear`` (dequantized in
+registers); parts of different types (a Q4_K q beside a Q6_K v) run side by side.
 The forward pass takes a flat ``ForwardBatch`` (all sequences' new tokens concatenated)
 and reads/writes keys and values in the paged pool (``engine/kv_cache.py``).
 """
@@ -18,28 +20,84 @@ import torch.nn.functional as F
 from engine.attention import Workspace, decode_attention, prefill_attention, write_kv
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
+from engine.gguf_loader import Weight
 from engine.kv_cache import KVCache
 from engine.rope import RotaryEmbedding
 from kernels.linear import PackedLinear
+from kernels.quant_linear import DenseScratch, QuantizedWeight, QuantLinear, dequantize_rows
+
+Linear = PackedLinear | QuantLinear
+
+
+class _Stacked:
+    """Parts whose weights cannot be stacked into one (different types) run in turn and
+    their outputs are concatenated: the same result as one stacked product."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[Linear]) -> None:
+        self.parts = parts
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(part) for part in self.parts)
+
+
+def _linear(
+    parts: list[Weight], pack: bool | None, scratch: DenseScratch | None
+) -> Linear | _Stacked:
+    """One product over the rows of ``parts`` stacked (q, k, v; gate, up)."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        dense = [p for p in parts if isinstance(p, torch.Tensor)]
+        return PackedLinear(dense[0] if len(dense) == 1 else torch.cat(dense, dim=0), pack=pack)
+    packed = [p for p in parts if isinstance(p, QuantizedWeight)]
+    if len(packed) == len(parts) and len({(p.qtype, p.shape[1]) for p in packed}) == 1:
+        weight = QuantizedWeight.concat(packed) if len(packed) > 1 else packed[0]
+        return QuantLinear(weight, scratch)
+    return _Stacked([_linear([p], pack, scratch) for p in parts])  # type: ignore[misc]
+
+
+def _nbytes(layer: Linear | _Stacked) -> int:
+    if isinstance(layer, PackedLinear):
+        return layer.out_features * layer.in_features * 4
+    return layer.nbytes
 
 
 class _Layer:
     __slots__ = ("attn_norm", "down", "gate_up", "mlp_norm", "o", "qkv")
 
-    def __init__(self, t: dict[str, torch.Tensor], i: int, pack: bool | None) -> None:
+    def __init__(
+        self, t: dict[str, Weight], i: int, pack: bool | None, scratch: DenseScratch
+    ) -> None:
         p = f"model.layers.{i}."
-        self.attn_norm = t[p + "input_layernorm.weight"]
-        self.mlp_norm = t[p + "post_attention_layernorm.weight"]
-        self.qkv = PackedLinear(
-            torch.cat([t[p + f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v")], dim=0),
-            pack=pack,
+        self.attn_norm = _dense(t[p + "input_layernorm.weight"])
+        self.mlp_norm = _dense(t[p + "post_attention_layernorm.weight"])
+        self.qkv = _linear([t[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], pack, scratch)
+        self.o = _linear([t[p + "self_attn.o_proj.weight"]], pack, scratch)
+        self.gate_up = _linear(
+            [t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]], pack, scratch
         )
-        self.o = PackedLinear(t[p + "self_attn.o_proj.weight"], pack=pack)
-        self.gate_up = PackedLinear(
-            torch.cat([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]], dim=0),
-            pack=pack,
-        )
-        self.down = PackedLinear(t[p + "mlp.down_proj.weight"], pack=pack)
+        self.down = _linear([t[p + "mlp.down_proj.weight"]], pack, scratch)
+
+    def linears(self) -> list[Linear]:
+        out: list[Linear] = []
+        for m in (self.qkv, self.o, self.gate_up, self.down):
+            out.extend(m.parts if isinstance(m, _Stacked) else [m])
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        norms = (self.attn_norm.numel() + self.mlp_norm.numel()) * 4
+        return norms + sum(_nbytes(m) for m in self.linears())
+
+
+def _dense(weight: Weight) -> torch.Tensor:
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError("norm weights are dense tensors")
+    return weight
 
 
 class LlamaModel:
@@ -49,19 +107,34 @@ class LlamaModel:
     attention, never the packed oneDNN weights or the C++ attention kernel."""
 
     def __init__(
-        self, config: ModelConfig, tensors: dict[str, torch.Tensor], *, cpu_kernels: bool = True
+        self, config: ModelConfig, tensors: dict[str, Weight], *, cpu_kernels: bool = True
     ) -> None:
         self.config = config
         self.cpu_kernels = cpu_kernels
         pack = None if cpu_kernels else False  # None: PackedLinear packs where it can
-        self.dtype = tensors["model.embed_tokens.weight"].dtype
+        self.norm = _dense(tensors["model.norm.weight"])
+        self.dtype = self.norm.dtype
+        # A packed embedding is looked up row by row (``dequantize_rows``); a dense one is a
+        # table. Tied heads share a packed embedding; a dense one gets its own packed copy.
         self.embed = tensors["model.embed_tokens.weight"]
-        self.norm = tensors["model.norm.weight"]
-        # Tied heads keep the dense embedding for lookups; the head gets its own packed copy.
-        self.lm_head = PackedLinear(
-            self.embed if config.tie_word_embeddings else tensors["lm_head.weight"], pack=pack
+        head = self.embed if config.tie_word_embeddings else tensors["lm_head.weight"]
+        self.lm_head = _linear([head], pack, None)
+        self.scratch = DenseScratch()
+        self.layers = [_Layer(tensors, i, pack, self.scratch) for i in range(config.num_layers)]
+        largest = max(
+            (
+                m.out_features * m.in_features
+                for layer in self.layers
+                for m in layer.linears()
+                if isinstance(m, QuantLinear)
+            ),
+            default=0,
         )
-        self.layers = [_Layer(tensors, i, pack) for i in range(config.num_layers)]
+        self.scratch.reserve(largest)
+        if self.dtype != torch.float32 and any(
+            isinstance(t, QuantizedWeight) for t in tensors.values()
+        ):
+            raise ValueError("packed quantized weights compute in float32 only")
         self.rope = RotaryEmbedding(config, self.dtype)
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.eps = config.rms_norm_eps
@@ -87,7 +160,7 @@ class LlamaModel:
         layer's KV to the decode worker while the rest of the model computes.
         """
         cfg = self.config
-        x = F.embedding(batch.input_ids, self.embed)
+        x = self._embed(batch.input_ids)
         cos, sin = self.rope.tables(batch.positions)
         q_size, kv_size, hd = cfg.q_size, cfg.kv_size, cfg.head_dim
         for i, layer in enumerate(self.layers):
@@ -110,6 +183,22 @@ class LlamaModel:
             x = x + layer.down(F.silu(gate) * up)
         x = x.index_select(0, batch.logits_indices)
         return self._rms_norm(x, self.norm)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, QuantizedWeight):
+            return dequantize_rows(self.embed, ids)
+        return F.embedding(ids, self.embed)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights this model holds: packed blocks at their size, dense ones in
+        float32, and the scratch a large batch dequantizes one packed weight into."""
+        embed = self.embed
+        embed_bytes = embed.nbytes if isinstance(embed, QuantizedWeight) else embed.numel() * 4
+        head_shared = self.config.tie_word_embeddings and isinstance(embed, QuantizedWeight)
+        head_bytes = 0 if head_shared else _nbytes(self.lm_head)
+        layers = sum(layer.nbytes for layer in self.layers)
+        return embed_bytes + head_bytes + layers + self.norm.numel() * 4 + self.scratch.nbytes
 
     def _attention(
         self,

@@ -3,67 +3,22 @@
 ``decode_attention_cpu`` runs ``csrc/paged_decode_attention.cpp``: it reads each
 sequence's keys and values in place from the pool's blocks, where the torch reference
 (``engine/attention.py``) first gathers them into a contiguous copy. The extension is
-compiled on first use with the machine's C++ compiler (torch.utils.cpp_extension, cached
-under ``TORCH_EXTENSIONS_DIR``); if that is impossible the engine keeps the reference path.
+compiled on first use (``kernels/extension.py``); if that is impossible the engine keeps
+the reference path.
 The engine's ``cpu_kernels`` setting decides whether it is asked at all.
 """
 
 from __future__ import annotations
 
-import hashlib
-import threading
-from pathlib import Path
-from types import ModuleType
-
-import structlog
 import torch
 
-log = structlog.get_logger(__name__)
+from kernels.extension import Extension
 
-_SRC = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
-_lock = threading.Lock()
-_module: ModuleType | None = None
-_failed = False
-
-
-def _load() -> ModuleType | None:
-    global _module, _failed
-    with _lock:
-        if _module is not None or _failed:
-            return _module
-        try:
-            from torch.utils.cpp_extension import load
-
-            isa, flags = _isa_flags()
-            # The ISA is part of the name, so a cached build never runs on a CPU without it
-            # (an image built on one machine and run on another); so is the source's digest,
-            # so two checkouts of different sources keep a build each, not rebuild in turn.
-            digest = hashlib.sha256(_SRC.read_bytes()).hexdigest()[:12]
-            _module = load(
-                name=f"pdserve_paged_decode_attention_{isa}_{digest}",
-                sources=[str(_SRC)],
-                extra_cflags=["-O3", *flags, "-fopenmp-simd", "-fno-math-errno"],
-                verbose=False,
-            )
-        except Exception as e:  # no compiler, no ninja, no headers: keep the reference
-            _failed = True
-            log.warning("cpu_kernel_unavailable", kernel="paged_decode_attention", error=str(e))
-        return _module
-
-
-def _isa_flags() -> tuple[str, list[str]]:
-    """AVX2+FMA where this CPU has them (the kernel's fast path), else portable code."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        flags = []
-    if "avx2" in flags and "fma" in flags:
-        return "avx2", ["-mavx2", "-mfma"]
-    return "generic", []
+_EXTENSION = Extension("paged_decode_attention", ("-fopenmp-simd", "-fno-math-errno"))
 
 
 def cpu_kernel_available() -> bool:
-    return _load() is not None
+    return _EXTENSION.load() is not None
 
 
 def decode_attention_cpu(
@@ -80,7 +35,7 @@ def decode_attention_cpu(
     ``[num_blocks, block_size, kv_heads, D]``; ``block_tables`` ``[B, max_blocks]`` covers
     ``context_lens[b]`` tokens for every row; everything float32, contiguous, on the CPU.
     """
-    mod = _load()
+    mod = _EXTENSION.load()
     if mod is None:
         raise RuntimeError("the CPU paged attention kernel is not available")
     b, heads, dim = q.shape

@@ -1,0 +1,396 @@
+// Linear layers over GGUF-quantized weights kept as their packed blocks, for CPUs.
+//
+//   qlinear(out, x, w):  out[m, n] = sum_k x[m, k] * W[n, k]
+//   dequantize(out, w):  out[n, k] = W[n, k]
+//
+// W is the checkpoint's bytes as stored: row n is K / block_elems blocks of llama.cpp's
+// layout (Q8_0, Q4_0, Q4_1: 32 elements per block; Q4_K, Q6_K: 256 per super-block). A
+// weight is dequantized 8 elements at a time in registers, with the same float32
+// operations in the same order as gguf-py's numpy reference, so a dequantized element is
+// bit-identical to the float32 checkpoint's; only the order of the dot product's float32
+// additions differs from a dense matmul's.
+//
+// Work is split over output columns (rows of W): each weight byte is read once per call,
+// whatever M is. Up to MR input rows share each dequantized vector (rows of x stay in
+// cache), so batches of 2..64 pay for dequantization once per MR (8) rows, not per row.
+//
+// Shapes and dtypes are checked by the Python launcher (kernels/quant_linear.py):
+//   x   [M, K]                 float32, contiguous
+//   w   [N, K / be * bytes]    uint8,   contiguous
+//   out [M, N] or [N, K]       float32, contiguous
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PDSERVE_AVX2 1
+#endif
+
+namespace {
+
+// ggml's type ids (gguf.GGMLQuantizationType).
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+
+constexpr int64_t MR = 8;  // input rows sharing one dequantized vector
+
+struct Layout {
+  int64_t elems;  // elements per block
+  int64_t bytes;  // bytes per block
+};
+
+Layout layout_of(int64_t t) {
+  switch (t) {
+    case Q4_0: return {32, 18};
+    case Q4_1: return {32, 20};
+    case Q8_0: return {32, 34};
+    case Q4_K: return {256, 144};
+    case Q6_K: return {256, 210};
+    default: TORCH_CHECK(false, "quantization type ", t, " has no kernel");
+  }
+}
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: renormalise
+    int e = -1;
+    uint32_t m = man;
+    do {
+      ++e;
+      m <<= 1;
+    } while ((m & 0x400) == 0);
+    bits = sign | ((112 - e) << 23) | ((m & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Q4_K's 6-bit scale and min of sub-block j (0..7) from its 12 packed bytes.
+inline void q4k_scale_min(const uint8_t* s, int64_t j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// ---- portable path: one 32-element chunk into floats ------------------------------------
+// Chunk c of a row is elements [32c, 32c + 32). Each type's arithmetic mirrors gguf-py's.
+
+void chunk_scalar(int64_t t, const uint8_t* row, int64_t c, float* y) {
+  switch (t) {
+    case Q8_0: {
+      const uint8_t* b = row + c * 34;
+      const float d = half_to_float(b);
+      for (int i = 0; i < 32; ++i) y[i] = static_cast<float>(static_cast<int8_t>(b[2 + i])) * d;
+      return;
+    }
+    case Q4_0: {
+      const uint8_t* b = row + c * 18;
+      const float d = half_to_float(b);
+      for (int i = 0; i < 16; ++i) {
+        y[i] = d * static_cast<float>((b[2 + i] & 0xF) - 8);
+        y[i + 16] = d * static_cast<float>((b[2 + i] >> 4) - 8);
+      }
+      return;
+    }
+    case Q4_1: {
+      const uint8_t* b = row + c * 20;
+      const float d = half_to_float(b), m = half_to_float(b + 2);
+      for (int i = 0; i < 16; ++i) {
+        y[i] = d * static_cast<float>(b[4 + i] & 0xF) + m;
+        y[i + 16] = d * static_cast<float>(b[4 + i] >> 4) + m;
+      }
+      return;
+    }
+    case Q4_K: {
+      const uint8_t* b = row + (c / 8) * 144;
+      const int64_t j = c % 8;
+      int sc, mn;
+      q4k_scale_min(b + 4, j, sc, mn);
+      const float d = half_to_float(b) * static_cast<float>(sc);
+      const float dm = half_to_float(b + 2) * static_cast<float>(mn);
+      const uint8_t* q = b + 16 + (j / 2) * 32;
+      const int shift = (j % 2) * 4;
+      for (int i = 0; i < 32; ++i) y[i] = d * static_cast<float>((q[i] >> shift) & 0xF) - dm;
+      return;
+    }
+    case Q6_K: {
+      const uint8_t* b = row + (c / 8) * 210;
+      const int64_t j = c % 8, h = j / 4, t4 = j % 4;
+      const uint8_t* ql = b + 64 * h + (t4 % 2) * 32;
+      const uint8_t* qh = b + 128 + 32 * h;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * h + 2 * t4;
+      const float d = half_to_float(b + 208);
+      const int lshift = (t4 / 2) * 4, hshift = 2 * t4;
+      for (int half = 0; half < 2; ++half) {
+        const float ds = d * static_cast<float>(sc[half]);
+        for (int i = 16 * half; i < 16 * half + 16; ++i) {
+          const int q = (((ql[i] >> lshift) & 0xF) | (((qh[i] >> hshift) & 3) << 4)) - 32;
+          y[i] = ds * static_cast<float>(q);
+        }
+      }
+      return;
+    }
+    default: TORCH_CHECK(false, "quantization type ", t, " has no kernel");
+  }
+}
+
+void row_dot_scalar(int64_t t, const uint8_t* row, int64_t K, const float* x, int64_t M,
+                    int64_t ldx, float* out, int64_t ldo) {
+  float w[32];
+  for (int64_t m0 = 0; m0 < M; m0 += MR) {
+    const int64_t mr = std::min(MR, M - m0);
+    float acc[MR] = {};
+    for (int64_t c = 0; c < K / 32; ++c) {
+      chunk_scalar(t, row, c, w);
+      for (int64_t r = 0; r < mr; ++r) {
+        const float* xr = x + (m0 + r) * ldx + 32 * c;
+        float s = 0.f;
+        for (int i = 0; i < 32; ++i) s += w[i] * xr[i];
+        acc[r] += s;
+      }
+    }
+    for (int64_t r = 0; r < mr; ++r) out[(m0 + r) * ldo] = acc[r];
+  }
+}
+
+#ifdef PDSERVE_AVX2
+// ---- AVX2 path: one 32-element chunk into four vectors of 8 --------------------------------
+
+inline __m256 bcast_half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<int16_t>(h)));
+}
+
+inline __m256i load8_u8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256i load8_i8(const uint8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <int64_t t>
+inline void chunk_avx2(const uint8_t* row, int64_t c, __m256 w[4]) {
+  const __m256i lo4 = _mm256_set1_epi32(0xF);
+  switch (t) {
+    case Q8_0: {
+      const uint8_t* b = row + c * 34;
+      const __m256 d = bcast_half(b);
+      for (int v = 0; v < 4; ++v)
+        w[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(load8_i8(b + 2 + 8 * v)), d);
+      return;
+    }
+    case Q4_0: {
+      const uint8_t* b = row + c * 18;
+      const __m256 d = bcast_half(b);
+      const __m256i eight = _mm256_set1_epi32(8);
+      for (int v = 0; v < 2; ++v) {
+        const __m256i q = load8_u8(b + 2 + 8 * v);
+        const __m256i lo = _mm256_sub_epi32(_mm256_and_si256(q, lo4), eight);
+        const __m256i hi = _mm256_sub_epi32(_mm256_srli_epi32(q, 4), eight);
+        w[v] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(lo));
+        w[v + 2] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(hi));
+      }
+      return;
+    }
+    case Q4_1: {
+      const uint8_t* b = row + c * 20;
+      const __m256 d = bcast_half(b), m = bcast_half(b + 2);
+      for (int v = 0; v < 2; ++v) {
+        const __m256i q = load8_u8(b + 4 + 8 * v);
+        w[v] = _mm256_add_ps(
+            _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(q, lo4))), m);
+        w[v + 2] = _mm256_add_ps(
+            _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4))), m);
+      }
+      return;
+    }
+    case Q4_K: {
+      const uint8_t* b = row + (c / 8) * 144;
+      const int64_t j = c % 8;
+      int sc, mn;
+      q4k_scale_min(b + 4, j, sc, mn);
+      const __m256 d = _mm256_set1_ps(half_to_float(b) * static_cast<float>(sc));
+      const __m256 dm = _mm256_set1_ps(half_to_float(b + 2) * static_cast<float>(mn));
+      const uint8_t* q = b + 16 + (j / 2) * 32;
+      const int shift = static_cast<int>(j % 2) * 4;
+      const __m128i sh = _mm_cvtsi32_si128(shift);
+      for (int v = 0; v < 4; ++v) {
+        const __m256i qi = _mm256_and_si256(_mm256_srl_epi32(load8_u8(q + 8 * v), sh), lo4);
+        w[v] = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(qi)), dm);
+      }
+      return;
+    }
+    case Q6_K: {
+      const uint8_t* b = row + (c / 8) * 210;
+      const int64_t j = c % 8, h = j / 4, t4 = j % 4;
+      const uint8_t* ql = b + 64 * h + (t4 % 2) * 32;
+      const uint8_t* qh = b + 128 + 32 * h;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * h + 2 * t4;
+      const float d = half_to_float(b + 208);
+      const __m128i ls = _mm_cvtsi32_si128(static_cast<int>(t4 / 2) * 4);
+      const __m128i hs = _mm_cvtsi32_si128(static_cast<int>(2 * t4));
+      const __m256i three = _mm256_set1_epi32(3), bias = _mm256_set1_epi32(32);
+      for (int v = 0; v < 4; ++v) {
+        const __m256 ds = _mm256_set1_ps(d * static_cast<float>(sc[v / 2]));
+        const __m256i lo = _mm256_and_si256(_mm256_srl_epi32(load8_u8(ql + 8 * v), ls), lo4);
+        const __m256i hi = _mm256_and_si256(_mm256_srl_epi32(load8_u8(qh + 8 * v), hs), three);
+        const __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), bias);
+        w[v] = _mm256_mul_ps(ds, _mm256_cvtepi32_ps(q));
+      }
+      return;
+    }
+    default: TORCH_CHECK(false, "quantization type ", t, " has no kernel");
+  }
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Rows [m0, m0 + R) of x against one row of W: each dequantized chunk feeds R rows.
+template <int64_t t, int R>
+inline void row_dot_avx2(const uint8_t* row, int64_t K, const float* x, int64_t ldx, float* out,
+                         int64_t ldo) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 w[4];
+  for (int64_t c = 0; c < K / 32; ++c) {
+    chunk_avx2<t>(row, c, w);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * ldx + 32 * c;
+      __m256 a = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
+      a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), a);
+      a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), a);
+      a = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), a);
+      acc[r] = _mm256_add_ps(acc[r], a);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = hsum(acc[r]);
+}
+
+template <int64_t t>
+void row_dot_avx2_any(const uint8_t* row, int64_t K, const float* x, int64_t M, int64_t ldx,
+                      float* out, int64_t ldo) {
+  int64_t m0 = 0;
+  for (; m0 + MR <= M; m0 += MR) row_dot_avx2<t, MR>(row, K, x + m0 * ldx, ldx, out + m0 * ldo, ldo);
+  x += m0 * ldx;
+  out += m0 * ldo;
+  switch (M - m0) {
+    case 7: row_dot_avx2<t, 7>(row, K, x, ldx, out, ldo); break;
+    case 6: row_dot_avx2<t, 6>(row, K, x, ldx, out, ldo); break;
+    case 5: row_dot_avx2<t, 5>(row, K, x, ldx, out, ldo); break;
+    case 4: row_dot_avx2<t, 4>(row, K, x, ldx, out, ldo); break;
+    case 3: row_dot_avx2<t, 3>(row, K, x, ldx, out, ldo); break;
+    case 2: row_dot_avx2<t, 2>(row, K, x, ldx, out, ldo); break;
+    case 1: row_dot_avx2<t, 1>(row, K, x, ldx, out, ldo); break;
+    default: break;
+  }
+}
+
+template <int64_t t>
+void qlinear_avx2(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const float* x,
+                  int64_t M, float* out) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      row_dot_avx2_any<t>(w + n * row_bytes, K, x, M, K, out + n, N);
+  });
+}
+
+template <int64_t t>
+void dequantize_avx2(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, float* out) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      __m256 v[4];
+      for (int64_t c = 0; c < K / 32; ++c) {
+        chunk_avx2<t>(w + n * row_bytes, c, v);
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + n * K + 32 * c + 8 * i, v[i]);
+      }
+    }
+  });
+}
+
+// Calls f.template operator()<T>() for the runtime type id.
+template <typename F>
+void dispatch(int64_t t, F&& f) {
+  switch (t) {
+    case Q4_0: f(std::integral_constant<int64_t, Q4_0>{}); break;
+    case Q4_1: f(std::integral_constant<int64_t, Q4_1>{}); break;
+    case Q8_0: f(std::integral_constant<int64_t, Q8_0>{}); break;
+    case Q4_K: f(std::integral_constant<int64_t, Q4_K>{}); break;
+    case Q6_K: f(std::integral_constant<int64_t, Q6_K>{}); break;
+    default: TORCH_CHECK(false, "quantization type ", t, " has no kernel");
+  }
+}
+#endif
+
+}  // namespace
+
+void qlinear(torch::Tensor out, torch::Tensor x, torch::Tensor w, int64_t qtype, bool portable) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const Layout l = layout_of(qtype);
+  TORCH_CHECK(K % l.elems == 0 && w.size(1) == K / l.elems * l.bytes, "qlinear: bad shapes");
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t row_bytes = w.size(1);
+#ifdef PDSERVE_AVX2
+  if (!portable) {
+    dispatch(qtype, [&](auto t) { qlinear_avx2<decltype(t)::value>(wp, row_bytes, N, K, xp, M, op); });
+    return;
+  }
+#endif
+  (void)portable;
+  // One work item is one output column; a thread takes a contiguous run of them.
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      row_dot_scalar(qtype, wp + n * row_bytes, K, xp, M, K, op + n, N);
+  });
+}
+
+void dequantize(torch::Tensor out, torch::Tensor w, int64_t qtype, bool portable) {
+  const int64_t N = w.size(0), K = out.size(1);
+  const Layout l = layout_of(qtype);
+  TORCH_CHECK(K % l.elems == 0 && w.size(1) == K / l.elems * l.bytes, "dequantize: bad shapes");
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t row_bytes = w.size(1);
+#ifdef PDSERVE_AVX2
+  if (!portable) {
+    dispatch(qtype, [&](auto t) { dequantize_avx2<decltype(t)::value>(wp, row_bytes, N, K, op); });
+    return;
+  }
+#endif
+  (void)portable;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t c = 0; c < K / 32; ++c) chunk_scalar(qtype, wp + n * row_bytes, c, op + n * K + 32 * c);
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qlinear", &qlinear, "out = x @ W^T for a GGUF-quantized W (float32 x, CPU)");
+  m.def("dequantize", &dequantize, "rows of a GGUF-quantized W as float32 (CPU)");
+}

@@ -1,0 +1,65 @@
+"""Compile a C++ kernel of ``kernels/csrc`` once per process, or report that it cannot be.
+
+Each kernel is built on first use with the machine's C++ compiler (torch.utils.cpp_extension,
+cached under ``TORCH_EXTENSIONS_DIR``). The CPU's instruction set and the source's digest are
+part of the module name: a cached build never runs on a CPU without its ISA (an image built
+on one machine and run on another), and two checkouts of different sources keep a build
+each instead of rebuilding in turn. A kernel that cannot be built (no compiler, no ninja,
+no headers) is reported once and its callers keep their torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+
+
+class Extension:
+    """One C++ source file, loaded lazily and at most once."""
+
+    def __init__(self, stem: str, extra_cflags: tuple[str, ...] = ()) -> None:
+        self.stem = stem
+        self.source = CSRC / f"{stem}.cpp"
+        self.extra_cflags = extra_cflags
+        self._lock = threading.Lock()
+        self._module: ModuleType | None = None
+        self._failed = False
+
+    def load(self) -> ModuleType | None:
+        with self._lock:
+            if self._module is not None or self._failed:
+                return self._module
+            try:
+                from torch.utils.cpp_extension import load
+
+                isa, flags = isa_flags()
+                digest = hashlib.sha256(self.source.read_bytes()).hexdigest()[:12]
+                self._module = load(
+                    name=f"pdserve_{self.stem}_{isa}_{digest}",
+                    sources=[str(self.source)],
+                    extra_cflags=["-O3", *flags, *self.extra_cflags],
+                    verbose=False,
+                )
+            except Exception as e:  # no compiler, no ninja, no headers: keep the reference
+                self._failed = True
+                log.warning("cpu_kernel_unavailable", kernel=self.stem, error=str(e))
+            return self._module
+
+
+def isa_flags() -> tuple[str, list[str]]:
+    """AVX2+FMA+F16C where this CPU has them (the kernels' fast paths), else portable code."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        flags = []
+    if "avx2" in flags and "fma" in flags and "f16c" in flags:
+        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
+    return "generic", []

@@ -1,0 +1,169 @@
+"""kernels.quant_linear: every quant type against gguf's dequantize-then-matmul reference.
+
+Weights are random block bytes with finite float16 scales: every nibble, sign and 6-bit
+scale pattern a real file can hold. Dequantization must be bit-identical to gguf-py's (the
+same float32 operations in the same order); products equal ``x @ dequantized^T`` up to the
+order of float32 additions.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+
+from kernels.quant_linear import (
+    KERNEL_TYPES,
+    DenseScratch,
+    QuantizedWeight,
+    QuantLinear,
+    dequantize,
+    dequantize_rows,
+    kernel_available,
+    qlinear,
+)
+
+SCALE_OFFSETS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q4_K: (0, 2), Q.Q6_K: (208,)}
+RTOL = 2e-6  # of the largest |output|: float32 sums of a few thousand terms, reordered
+
+
+def random_blocks(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
+    """``rows`` rows of random ``qtype`` blocks (``cols`` elements each) with sane scales."""
+    elems, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // elems * size), dtype=np.uint8)
+    blocks = raw.reshape(-1, size)
+    for offset in SCALE_OFFSETS[qtype]:
+        scales = (rng.standard_normal(len(blocks)) * 0.02).astype(np.float16)
+        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+def weight(qtype: Q, rows: int, cols: int, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
+    raw = random_blocks(qtype, rows, cols, seed)
+    ref = gguf.quants.dequantize(raw, qtype).reshape(rows, cols)
+    return QuantizedWeight(qtype, (rows, cols), torch.from_numpy(raw)), torch.from_numpy(ref)
+
+
+def assert_product(got: torch.Tensor, x: torch.Tensor, ref: torch.Tensor) -> None:
+    want = x.double() @ ref.double().T
+    assert got.shape == want.shape
+    err = (got.double() - want).abs().max() / want.abs().max()
+    assert err.item() < RTOL, f"relative error {err.item():.2e}"
+
+
+def widths(qtype: Q) -> list[int]:
+    """Odd block counts per row: one block, three, and a width the model uses."""
+    elems = GGML_QUANT_SIZES[qtype][0]
+    return [elems, 3 * elems, 576 if elems == 32 else 768]
+
+
+def test_kernel_builds_here() -> None:
+    assert kernel_available()
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["avx2", "portable"])
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_dequantize_is_bit_identical_to_gguf(qtype: Q, portable: bool) -> None:
+    for i, cols in enumerate(widths(qtype)):
+        w, ref = weight(qtype, 37, cols, seed=i)
+        assert torch.equal(dequantize(w, portable=portable), ref)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["avx2", "portable"])
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_qlinear_matches_dequantize_then_matmul(qtype: Q, portable: bool) -> None:
+    g = torch.Generator().manual_seed(int(qtype))
+    for i, cols in enumerate(widths(qtype)):
+        rows = (7, 33, 130)[i]  # ragged: not a multiple of any tile
+        w, ref = weight(qtype, rows, cols, seed=10 + i)
+        for m in (1, 2, 3, 7, 8, 9, 17, 64):
+            x = torch.randn(m, cols, generator=g)
+            assert_product(qlinear(x, w, portable=portable), x, ref)
+
+
+def test_batch_rows_do_not_depend_on_each_other() -> None:
+    # A row's output must not change with what else is in the batch (batch invariance is
+    # what keeps a sequence's tokens independent of its neighbours).
+    w, _ = weight(Q.Q4_1, 50, 576, seed=3)
+    x = torch.randn(13, 576)
+    alone = torch.cat([qlinear(x[i : i + 1], w) for i in range(13)])
+    assert torch.equal(qlinear(x, w), alone)
+
+
+def test_quant_linear_large_batches_use_the_dense_gemm_and_agree() -> None:
+    w, ref = weight(Q.Q4_K, 96, 512, seed=5)
+    scratch = DenseScratch()
+    layer = QuantLinear(w, scratch)
+    small = torch.randn(QuantLinear.DENSE_ROWS, 512)
+    big = torch.randn(QuantLinear.DENSE_ROWS + 1, 512)
+    assert scratch.nbytes == 0
+    assert_product(layer(small), small, ref)
+    assert scratch.nbytes == 0  # the fused kernel: no dense copy
+    assert_product(layer(big), big, ref)
+    assert scratch.nbytes == 96 * 512 * 4
+    assert torch.equal(layer.dense(), ref)
+    headless = QuantLinear(w)  # no scratch: the fused kernel at any size
+    assert_product(headless(big), big, ref)
+
+
+def test_concat_stacks_rows() -> None:
+    a, ra = weight(Q.Q8_0, 5, 64, seed=1)
+    b, rb = weight(Q.Q8_0, 3, 64, seed=2)
+    both = QuantizedWeight.concat([a, b])
+    assert both.shape == (8, 64)
+    assert torch.equal(dequantize(both), torch.cat([ra, rb]))
+    c, _ = weight(Q.Q4_0, 3, 64)
+    with pytest.raises(ValueError, match="one type"):
+        QuantizedWeight.concat([a, c])
+
+
+def test_dequantize_rows_is_an_embedding_lookup() -> None:
+    w, ref = weight(Q.Q8_0, 40, 96, seed=4)
+    ids = torch.tensor([3, 0, 39, 3])
+    assert torch.equal(dequantize_rows(w, ids), ref[ids])
+    assert dequantize_rows(w, torch.tensor([], dtype=torch.int64)).shape == (0, 96)
+    with pytest.raises(IndexError):
+        dequantize_rows(w, torch.tensor([40]))
+    with pytest.raises(IndexError):
+        dequantize_rows(w, torch.tensor([-1]))
+
+
+def test_truncated_rows_are_rejected() -> None:
+    raw = torch.from_numpy(random_blocks(Q.Q4_1, 4, 64, seed=0))
+    with pytest.raises(ValueError, match="truncated"):
+        QuantizedWeight(Q.Q4_1, (4, 64), raw[:, :-1].contiguous())
+    with pytest.raises(ValueError, match="truncated"):
+        QuantizedWeight(Q.Q4_1, (5, 64), raw)
+    with pytest.raises(ValueError, match="whole blocks"):
+        QuantizedWeight(Q.Q4_K, (4, 300), raw)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_corrupt_block_scale_is_rejected(qtype: Q, bad: float) -> None:
+    elems, size = GGML_QUANT_SIZES[qtype]
+    raw = random_blocks(qtype, 3, 2 * elems, seed=1)
+    blocks = raw.reshape(-1, size)
+    offset = SCALE_OFFSETS[qtype][-1]
+    blocks[4, offset : offset + 2] = np.array([bad], dtype=np.float16).view(np.uint8)
+    with pytest.raises(ValueError, match=r"block 4 \(row 2\).*corrupt"):
+        QuantizedWeight(qtype, (3, 2 * elems), torch.from_numpy(raw))
+
+
+def test_unsupported_type_and_bad_inputs() -> None:
+    with pytest.raises(ValueError, match="no quantized kernel for Q5_0"):
+        QuantizedWeight(Q.Q5_0, (1, 32), torch.zeros(1, 22, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        QuantizedWeight(Q.Q8_0, (1, 32), torch.zeros(1, 34, dtype=torch.int16))
+    w, _ = weight(Q.Q8_0, 4, 64)
+    with pytest.raises(ValueError, match=r"float32 \[M, 64\]"):
+        qlinear(torch.randn(2, 32), w)
+    with pytest.raises(ValueError, match=r"float32 \[M, 64\]"):
+        qlinear(torch.randn(2, 64, dtype=torch.float64), w)
+    assert qlinear(torch.randn(0, 64), w).shape == (0, 4)
+    x = torch.randn(64, 3).t()  # not contiguous
+    assert_product(qlinear(x, w), x, dequantize(w))
