@@ -238,6 +238,7 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
           "--grpc-port", str(cfg.grpc_port or free_port()),
           "--backend", "cluster", "--scheduler", sched.address, *engine]  # fmt: skip
     stack.wait_ready(workers)
+    memory = {w.name: _memory_line(w.ready_text) for w in workers}
     gateway = stack.start(Proc("gateway", py("services.gateway", *gw), control))
     stack.wait_ready([gateway])
     _wait_placeable(gateway.address)
@@ -248,7 +249,16 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
         "redis": f"redis://127.0.0.1:{redis_port}/0",
         "logs": str(stack.log_dir),
         **{f"metrics:{k}": v for k, v in metrics.items()},
+        **{f"memory:{k}": v for k, v in memory.items() if v},
     }
+
+
+def _memory_line(ready_line: str) -> str:
+    """``quantized weights 103.7 MiB, KV 512.0 MiB`` from a worker's READY line."""
+    fields = {k: _field(ready_line, k) for k in ("weights", "weight_mib", "kv_mib")}
+    if not all(fields.values()):
+        return ""
+    return f"{fields['weights']} weights {fields['weight_mib']} MiB, KV {fields['kv_mib']} MiB"
 
 
 def _field(ready_line: str, key: str) -> str:

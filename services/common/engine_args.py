@@ -14,6 +14,11 @@ if TYPE_CHECKING:
     from engine.llm_engine import EngineConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
+WEIGHTS = ("auto", "quantized", "float32")
+# What --weights auto loads per role (docs/benchmarks.md, "Weight formats", has the
+# measurements): decode streams every weight per step, so the packed blocks (~6x fewer bytes)
+# win there; a prefill's large products run torch's GEMM on dense weights either way.
+AUTO_WEIGHTS = {"decode": "quantized", "colocated": "quantized", "prefill": "float32"}
 
 
 @dataclass(frozen=True)
@@ -24,6 +29,14 @@ class EngineArgs:
         None, "GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)"
     )
     dtype: str = setting("float32", "weights' and activations' dtype", choices=DTYPES)
+    weights: str = setting(
+        "auto",
+        "weight format: quantized keeps a GGUF's quantized tensors as packed blocks (read "
+        "whole per decode step: several times fewer bytes than float32), float32 dequantizes "
+        "every tensor (the exact-parity mode), auto picks per role (quantized for decode and "
+        "colocated, float32 for prefill); same numbers either way",
+        choices=WEIGHTS,
+    )
     threads: int | None = setting(
         None,
         "torch intra-op threads (default: one per core of --engine-cpus when the engine "
@@ -55,12 +68,24 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.weights == "quantized" and self.dtype != "float32":
+            raise ValueError(f"--weights quantized computes in float32, not {self.dtype}")
         if self.chunked_prefill < 0:
             raise ValueError(f"chunked_prefill must be >= 0, got {self.chunked_prefill}")
 
-    def engine_config(self, cpus: frozenset[int] | None = None) -> EngineConfig:
-        """The ``EngineConfig`` of an engine whose thread runs on ``cpus`` (None: wherever
-        the process may run)."""
+    def weight_format(self, role: str) -> str:
+        """The weight format an engine in ``role`` (prefill, decode, colocated) loads."""
+        if self.weights != "auto":
+            return self.weights
+        if self.dtype != "float32":
+            return "float32"  # packed weights compute in float32 only
+        return AUTO_WEIGHTS[role]
+
+    def engine_config(
+        self, cpus: frozenset[int] | None = None, role: str = "colocated"
+    ) -> EngineConfig:
+        """The ``EngineConfig`` of an engine in ``role`` whose thread runs on ``cpus``
+        (None: wherever the process may run)."""
         from engine.llm_engine import EngineConfig  # lazy: keeps torch out of --help
 
         return EngineConfig(
@@ -77,4 +102,5 @@ class EngineArgs:
             # core would only take turns.
             num_threads=self.threads or (len(cpus) if cpus else None),
             cpu_kernels=self.cpu_kernels,
+            weights=self.weight_format(role),
         )

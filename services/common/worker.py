@@ -46,21 +46,38 @@ def host_id() -> str:
 def build_engine(
     args: EngineArgs,
     tuning: Tuning,
+    role: str,
     kv_memory: Callable[[KVCacheSpec], torch.Tensor] | None = None,
     **options: Any,
 ) -> AsyncEngine:
-    """The worker's engine, driven by its own thread laid out by ``tuning`` (not started
-    yet); ``options``: further ``AsyncEngine`` arguments."""
+    """The ``role`` worker's engine, driven by its own thread laid out by ``tuning`` (not
+    started yet); ``options``: further ``AsyncEngine`` arguments."""
     t0 = time.monotonic()
-    config = args.engine_config(tuning.engine_cpus)
+    config = args.engine_config(tuning.engine_cpus, role)
     engine = LLMEngine(config, kv_memory=kv_memory)
     if config.cpu_kernels:
         # Loaded (compiled, on a machine's first run) now, before READY: not by the first
         # decode step, which would stall every stream placed here meanwhile.
         cpu_kernel_available()
-    log.info("engine_ready", seconds=round(time.monotonic() - t0, 2),
-             kv_blocks=engine.blocks.num_blocks, max_model_len=engine.max_model_len)  # fmt: skip
+    log.info("engine_ready", seconds=round(time.monotonic() - t0, 2), role=role,
+             weights=engine.weight_format, weight_mib=_mib(engine.model.weight_bytes),
+             kv_mib=_mib(engine.kv_spec.total_bytes), kv_blocks=engine.blocks.num_blocks,
+             max_model_len=engine.max_model_len)  # fmt: skip
     return AsyncEngine(engine, **tuning.engine_options(), **options)
+
+
+def _mib(n: int) -> float:
+    return round(n / (1 << 20), 1)
+
+
+def memory_report(engine: LLMEngine) -> dict[str, str]:
+    """The weight format and memory a worker's READY line states (``pdserve up`` prints
+    it): what the engine holds, not what was asked."""
+    return {
+        "weights": engine.weight_format,
+        "weight_mib": f"{_mib(engine.model.weight_bytes)}",
+        "kv_mib": f"{_mib(engine.kv_spec.total_bytes)}",
+    }
 
 
 def worker_id(args: WorkerArgs, role: str, server: process.GrpcServer) -> str:
@@ -176,6 +193,7 @@ async def serve_worker(
             drain_timeout_s=args.drain_timeout_s,
             on_drain=drain,
             background=background,
+            ready=memory_report(aengine.engine),
         )
     finally:
         await aengine.stop()

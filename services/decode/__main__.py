@@ -60,7 +60,7 @@ async def _main(cfg: DecodeConfig) -> None:
             region = transport.register(KVLayout.from_spec(spec))
             return region.tensor
 
-    aengine = build_engine(cfg.engine, cfg.tuning, kv_memory)
+    aengine = build_engine(cfg.engine, cfg.tuning, cfg.role, kv_memory)
     server = process.GrpcServer(
         ["pdserve.v1.DecodeWorker"], cfg.worker.host, cfg.worker.port,
         advertise_host=cfg.worker.advertise_host, auth=cluster_auth.installed(),

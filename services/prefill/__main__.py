@@ -22,7 +22,9 @@ async def _main(cfg: PrefillConfig) -> None:
     from services.prefill.server import PrefillServicer
     from transfer.registry import get_transport
 
-    aengine = build_engine(cfg.engine, cfg.tuning, prefill_token_budget=cfg.prefill_token_budget)
+    aengine = build_engine(
+        cfg.engine, cfg.tuning, "prefill", prefill_token_budget=cfg.prefill_token_budget
+    )
     transports = {n: get_transport(n, **cfg.transport_options(n)) for n in cfg.transports}
     faults = cfg.fault_args.plan  # none unless --faults / PDSERVE_FAULTS says
     for t in transports.values():

@@ -10,6 +10,7 @@ import torch
 from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.tokenizer import Tokenizer
+from tests.engine.parity import Reference, hf_references, parity_prompts
 
 
 @pytest.fixture(scope="session")
@@ -31,6 +32,13 @@ def hf_gguf_model(default_checkpoint: Checkpoint):
     return transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     ).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_references(hf_gguf_model, default_tokenizer: Tokenizer) -> list[Reference]:
+    """transformers' greedy tokens and logits on the parity prompts, computed once."""
+    prompts = parity_prompts(default_tokenizer)
+    return hf_references(hf_gguf_model, prompts, default_tokenizer.eos_token_ids)
 
 
 @pytest.fixture(scope="session")

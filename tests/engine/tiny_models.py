@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from engine.checkpoint import default_model_path
 from engine.config import RopeScaling
+from tests.quant_blocks import random_blocks
 
 TOKENIZER_VOCAB = 49152
 # Checkpoint files a tokenizer save may produce; everything else in the save dir is ignored.
@@ -241,9 +242,12 @@ def gguf_tensor_name(hf_name: str) -> str:
     return f"blk.{layer}.{_GGUF_LAYER_NAMES[rest.removesuffix('.weight')]}.weight"
 
 
-def _encode(weight: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> np.ndarray:
+def _encode(weight: np.ndarray, tensor_type: gguf.GGMLQuantizationType, seed: int) -> np.ndarray:
     if tensor_type == gguf.GGMLQuantizationType.F64:
         return weight.astype(np.float64)
+    if tensor_type in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K):
+        # gguf-py cannot quantize K-quants: random blocks of about the weights' magnitude.
+        return random_blocks(tensor_type, *weight.shape, seed=seed, scale=2e-4)
     return gguf.quants.quantize(weight, tensor_type)
 
 
@@ -264,6 +268,7 @@ def write_tiny_gguf(
     context_length: int = 2048,
     architecture: str = "llama",
     vocab_size_key: bool = True,
+    tensor_types: dict[str, gguf.GGMLQuantizationType] | None = None,
 ) -> dict[str, np.ndarray]:
     """Write a tiny llama GGUF like llama.cpp's converter would; return its float32 sources.
 
@@ -271,6 +276,8 @@ def write_tiny_gguf(
     F64), norms as F32, q/k rows permuted. Linear RoPE scaling goes into metadata and Llama 3
     scaling into a ``rope_freqs`` tensor, as the converter does. No tokenizer metadata;
     ``vocab_size_key=False`` also omits ``llama.vocab_size`` (as older converters did).
+    ``tensor_types`` overrides the type per HF name; Q4_K and Q6_K tensors are random
+    blocks (gguf-py cannot quantize them), so they do not match the returned sources.
     The returned dict is :func:`make_tiny_llama_tensors`' weights (HF names, unpermuted).
     """
     head_dim = hidden // heads
@@ -307,8 +314,9 @@ def write_tiny_gguf(
         writer.add_tensor(
             "rope_freqs.weight", llama3_rope_freqs(rope_scaling, head_dim, rope_theta)
         )
-    for name, weight in sources.items():
+    for index, (name, weight) in enumerate(sources.items()):
         stored = weight
+        stored_type = (tensor_types or {}).get(name, tensor_type)
         if name.endswith("q_proj.weight"):
             stored = llama_cpp_permute(weight, heads)
         elif name.endswith("k_proj.weight"):
@@ -317,7 +325,9 @@ def write_tiny_gguf(
             writer.add_tensor(gguf_tensor_name(name), stored.astype(np.float32))
         else:
             writer.add_tensor(
-                gguf_tensor_name(name), _encode(stored, tensor_type), raw_dtype=tensor_type
+                gguf_tensor_name(name),
+                _encode(stored, stored_type, seed=seed * 1000 + index),
+                raw_dtype=stored_type,
             )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -25,21 +25,9 @@ from kernels.quant_linear import (
     kernel_available,
     qlinear,
 )
+from tests.quant_blocks import SCALE_OFFSETS, random_blocks
 
-SCALE_OFFSETS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q4_K: (0, 2), Q.Q6_K: (208,)}
 RTOL = 2e-6  # of the largest |output|: float32 sums of a few thousand terms, reordered
-
-
-def random_blocks(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
-    """``rows`` rows of random ``qtype`` blocks (``cols`` elements each) with sane scales."""
-    elems, size = GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(rows, cols // elems * size), dtype=np.uint8)
-    blocks = raw.reshape(-1, size)
-    for offset in SCALE_OFFSETS[qtype]:
-        scales = (rng.standard_normal(len(blocks)) * 0.02).astype(np.float16)
-        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
-    return raw
 
 
 def weight(qtype: Q, rows: int, cols: int, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
