@@ -109,13 +109,15 @@ def decode_attention(
     workspace: Workspace | None = None,
     *,
     kernel: bool = True,
+    ranges_checked: bool = False,
 ) -> torch.Tensor:
     """Decode attention: the CPU kernel where it applies (and ``kernel``), else the torch
-    reference."""
+    reference. ``ranges_checked``: see ``decode_attention_cpu``."""
     if kernel and q.dtype == torch.float32 and q.device.type == "cpu" and cpu_kernel_available():
         return decode_attention_cpu(
-            q.contiguous(), k_pool, v_pool, batch.block_tables, batch.context_lens, scale
-        )
+            q.contiguous(), k_pool, v_pool, batch.block_tables, batch.context_lens, scale,
+            ranges_checked=ranges_checked,
+        )  # fmt: skip
     return decode_attention_reference(q, k_pool, v_pool, batch, scale, workspace)
 
 

@@ -23,7 +23,9 @@ from engine.forward_batch import ForwardBatch
 from engine.gguf_loader import Weight
 from engine.kv_cache import KVCache
 from engine.rope import RotaryEmbedding
+from kernels import layer_ops
 from kernels.linear import PackedLinear
+from kernels.paged_attention import check_decode_ranges
 from kernels.quant_linear import DenseScratch, QuantizedWeight, QuantLinear, dequantize_rows
 
 Linear = PackedLinear | QuantLinear
@@ -139,6 +141,9 @@ class LlamaModel:
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.eps = config.rms_norm_eps
         self.workspace = Workspace()
+        # The fused C++ layer ops (norms, RoPE + KV write, SiLU) replace dozens of small torch
+        # ops per layer, which cost as much as the products at decode batch sizes.
+        self.fused = cpu_kernels and self.dtype == torch.float32 and layer_ops.layer_ops_available()
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Hugging Face normalises in float32 and casts back before the weight multiply.
@@ -159,6 +164,8 @@ class LlamaModel:
         pool, before the layer's attention and MLP run: a prefill worker starts moving that
         layer's KV to the decode worker while the rest of the model computes.
         """
+        if self.fused:
+            return self._forward_fused(batch, kv, on_layer_kv)
         cfg = self.config
         x = self._embed(batch.input_ids)
         cos, sin = self.rope.tables(batch.positions)
@@ -184,6 +191,44 @@ class LlamaModel:
         x = x.index_select(0, batch.logits_indices)
         return self._rms_norm(x, self.norm)
 
+    def _forward_fused(
+        self, batch: ForwardBatch, kv: KVCache, on_layer_kv: Callable[[int], None] | None
+    ) -> torch.Tensor:
+        """``forward`` with the fused layer ops: the same computation, the residual stream
+        ``x`` updated in place. Index ranges are checked once here, not in every layer."""
+        cfg = self.config
+        q_size, kv_size, hd, eps = cfg.q_size, cfg.kv_size, cfg.head_dim, self.eps
+        rope = self.rope
+        layer_ops.check_slot_ranges(
+            batch.positions, batch.slot_blocks, batch.slot_offsets, rope.cos.shape[0],
+            kv.keys(0).shape[:2],
+        )  # fmt: skip
+        if batch.decode is not None:
+            d = batch.decode
+            check_decode_ranges(d.block_tables, d.context_lens, *kv.keys(0).shape[:2])
+        x = self._embed(batch.input_ids).contiguous()
+        h = layer_ops.rms_norm(x, self.layers[0].attn_norm, eps)
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(h)
+            k_pool, v_pool = kv.keys(i), kv.values(i)
+            layer_ops.rope_write_kv(
+                qkv, rope.cos, rope.sin, batch.positions, k_pool, v_pool, batch.slot_blocks,
+                batch.slot_offsets, cfg.num_heads, cfg.num_kv_heads, ranges_checked=True,
+            )  # fmt: skip
+            if on_layer_kv is not None:
+                on_layer_kv(i)
+            q = qkv[:, :q_size].view(-1, cfg.num_heads, hd)
+            k = qkv[:, q_size : q_size + kv_size].view(-1, cfg.num_kv_heads, hd)
+            v = qkv[:, q_size + kv_size :].view(-1, cfg.num_kv_heads, hd)
+            attn = self._attention(q, k, v, k_pool, v_pool, batch, ranges_checked=True)
+            h = layer_ops.add_rms_norm(x, layer.o(attn), layer.mlp_norm, eps)
+            down = layer.down(layer_ops.silu_mul(layer.gate_up(h)))
+            last = i + 1 == len(self.layers)
+            h = layer_ops.add_rms_norm(
+                x, down, self.norm if last else self.layers[i + 1].attn_norm, eps
+            )
+        return h.index_select(0, batch.logits_indices)
+
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, QuantizedWeight):
             return dequantize_rows(self.embed, ids)
@@ -208,6 +253,8 @@ class LlamaModel:
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
         batch: ForwardBatch,
+        *,
+        ranges_checked: bool = False,
     ) -> torch.Tensor:
         outs: list[torch.Tensor] = []
         for seg in batch.prefills:
@@ -224,6 +271,7 @@ class LlamaModel:
                     self.scale,
                     self.workspace,
                     kernel=self.cpu_kernels,
+                    ranges_checked=ranges_checked,
                 )
             )
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

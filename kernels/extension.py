@@ -41,10 +41,11 @@ class Extension:
                 from torch.utils.cpp_extension import load
 
                 isa, flags = isa_flags()
-                digest = hashlib.sha256(self.source.read_bytes()).hexdigest()[:12]
+                digest = source_digest(self.source)
                 self._module = load(
                     name=f"pdserve_{self.stem}_{isa}_{digest}",
                     sources=[str(self.source)],
+                    extra_include_paths=[str(CSRC)],
                     extra_cflags=["-O3", *flags, *self.extra_cflags],
                     verbose=False,
                 )
@@ -52,6 +53,14 @@ class Extension:
                 self._failed = True
                 log.warning("cpu_kernel_unavailable", kernel=self.stem, error=str(e))
             return self._module
+
+
+def source_digest(source: Path) -> str:
+    """The source's digest with every shared header of ``csrc`` (a header change rebuilds)."""
+    h = hashlib.sha256(source.read_bytes())
+    for header in sorted(CSRC.glob("*.h")):
+        h.update(header.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def isa_flags() -> tuple[str, list[str]]:

@@ -28,8 +28,14 @@ def decode_attention_cpu(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    ranges_checked: bool = False,
 ) -> torch.Tensor:
     """Paged decode attention; returns ``[B, heads, head_dim]``.
+
+    ``ranges_checked``: the caller has checked this batch's ``context_lens`` and
+    ``block_tables`` against the pool once for all layers (``check_decode_ranges``), so the
+    per-call reductions are skipped; shapes and dtypes are still checked.
 
     Contract: ``q`` is ``[B, heads, D]``; ``k_pool``/``v_pool`` one layer's
     ``[num_blocks, block_size, kv_heads, D]``; ``block_tables`` ``[B, max_blocks]`` covers
@@ -53,13 +59,21 @@ def decode_attention_cpu(
         raise ValueError("context_lens must be int64 [B]")
     block_tables = block_tables.contiguous()
     context_lens = context_lens.contiguous()
-    if b and (
-        int(context_lens.min()) < 1
-        or int(context_lens.max()) > block_tables.shape[1] * block
-        or int(block_tables.min()) < 0
-        or int(block_tables.max()) >= n
-    ):
-        raise ValueError("context_lens or block_tables out of range for the pool")
+    if not ranges_checked:
+        check_decode_ranges(block_tables, context_lens, n, block)
     out = torch.empty_like(q)
     mod.paged_decode_attention(out, q, k_pool, v_pool, block_tables, context_lens, scale)
     return out
+
+
+def check_decode_ranges(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int
+) -> None:
+    """Every row's context fits its table and every table entry names a pool block."""
+    if context_lens.numel() and (
+        int(context_lens.min()) < 1
+        or int(context_lens.max()) > block_tables.shape[1] * block_size
+        or int(block_tables.min()) < 0
+        or int(block_tables.max()) >= num_blocks
+    ):
+        raise ValueError("context_lens or block_tables out of range for the pool")

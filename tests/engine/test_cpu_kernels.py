@@ -1,5 +1,5 @@
 """The engine's ``cpu_kernels`` setting: off, the model keeps to the torch reference (no
-packed linears, no C++ attention) and greedy output stays the same."""
+packed linears, no C++ attention, no fused layer ops) and greedy output stays the same."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ def test_cpu_kernels_off_keeps_to_the_reference_with_equal_tokens(
     make_engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     on, off = make_engine(), make_engine(cpu_kernels=False)
+    assert on.model.fused and not off.model.fused  # the C++ layer ops, or the torch ops
     assert on.model.lm_head.packed and all(layer.qkv.packed for layer in on.model.layers)
     linears = [off.model.lm_head]
     for layer in off.model.layers:
