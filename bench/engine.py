@@ -1,7 +1,8 @@
-"""Engine benchmark: pdserve's LLMEngine beside transformers on the same checkpoint.
+"""Engine benchmark: pdserve's LLMEngine beside transformers and llama.cpp on the same checkpoint.
 
-Measures, for every thread count (each in a fresh subprocess, so torch's thread pools are
-sized before any work and the runs share no state):
+Measures, for every thread count, pdserve (once per weight format of ``--weights``) and
+transformers in a fresh subprocess (so torch's thread pools are sized before any work and
+the runs share no state), then llama.cpp once that process has exited:
 
 - prefill tokens/s: the engine's first step on a fresh random prompt of exactly L tokens
   (prefix caching off), against one transformers forward of the same ids with
@@ -12,17 +13,23 @@ sized before any work and the runs share no state):
   copy of the KV cache of the prompt minus its last token, so the two calls differ by exactly
   ``steps`` decode steps and neither pays for the prompt;
 - the memory-bandwidth floor of a batch-1 decode step: bytes of every weight the step reads
-  (the tied embedding / LM head once) divided by the bandwidth of a large ``copy_`` on the
-  same thread count, measured in the same process (best of the start and end measurements).
+  in that format (``weight_bytes``) divided by the bandwidth of a large ``copy_`` on the
+  same thread count, measured in the same process (best of the start and end measurements);
+- llama.cpp on the same GGUF and thread count (``bench.peers.llama_bench``): decode at the
+  same batch sizes and context, ``decode_steps x repeats`` steps timed together, and prompt
+  processing at the same lengths. Not built, or not a GGUF: the run says why and carries on
+  without it (``--no-llama-cpp`` skips it).
 
-Figures are medians over ``--repeats``. The parent prints one markdown table and optionally
-writes JSON (``--json``). ``python -m bench.engine --help`` lists the options.
+Figures are medians over ``--repeats``. The parent prints one markdown table (one row per
+thread count, weight format, phase and size) and optionally writes JSON (``--json``).
+``python -m bench.engine --help`` lists the options.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import json
 import os
@@ -34,7 +41,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -49,12 +56,18 @@ from bench._common import (
     ratio,
     write_json,
 )
+from bench.peers import llama_bench
+from bench.peers.llama_bench import LlamaCppError, LlamaCppResult, build_hint
+from bench.peers.llama_server import BuildLayout, default_cache_dir
+from engine.llm_engine import WEIGHT_FORMATS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 PREFILL_TARGET = 1.0  # pdserve / transformers prefill tokens/s: "at least on par"
 DECODE_TARGET = 2.0  # pdserve / transformers decode tokens/s at DECODE_TARGET_BATCH
 DECODE_TARGET_BATCH = 32
+LLAMA_TARGET = 1.0  # pdserve / llama.cpp decode ms per token at LLAMA_TARGET_BATCHES
+LLAMA_TARGET_BATCHES = (1, 8)
 FLOOR_TARGET = 1.5  # batch-1 decode step / bandwidth floor
 
 _QUICK = {
@@ -65,6 +78,7 @@ _QUICK = {
     "decode_steps": 4,
     "repeats": 2,
     "copy_mib": 256,
+    "weights": ["quantized"],
 }
 _DEFAULTS = {
     "threads": [1, 2],
@@ -74,6 +88,7 @@ _DEFAULTS = {
     "decode_steps": 16,
     "repeats": 3,
     "copy_mib": 1024,
+    "weights": ["quantized"],
 }
 
 
@@ -88,6 +103,9 @@ class BenchConfig:
     decode_steps: int
     repeats: int
     transformers: bool
+    weights: tuple[str, ...]
+    llama_cpp: bool
+    llama_cpp_dir: str | None
     dtype: str
     copy_mib: int
     seed: int
@@ -106,6 +124,11 @@ class BenchConfig:
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"{name} must be non-empty and >= 1")
+        if not self.weights or len(set(self.weights)) != len(self.weights):
+            raise ValueError(f"weights must be distinct formats, got {self.weights}")
+        unknown = set(self.weights) - set(WEIGHT_FORMATS)
+        if unknown:
+            raise ValueError(f"weights must be among {WEIGHT_FORMATS}, got {sorted(unknown)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -118,21 +141,18 @@ class BenchConfig:
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """Seconds per repeat for one prompt length; ``transformers_s`` is None when skipped."""
+    """Seconds per repeat of one prefill of ``tokens`` tokens."""
 
     tokens: int
-    pdserve_s: tuple[float, ...]
-    transformers_s: tuple[float, ...] | None
+    seconds: tuple[float, ...]
 
     @property
-    def pdserve_tok_s(self) -> float:
-        return rate(self.tokens, median(self.pdserve_s))
+    def tok_s(self) -> float:
+        return rate(self.tokens, median(self.seconds))
 
     @property
-    def transformers_tok_s(self) -> float | None:
-        if self.transformers_s is None:
-            return None
-        return rate(self.tokens, median(self.transformers_s))
+    def ms_per_token(self) -> float:
+        return 1000.0 * median(self.seconds) / self.tokens
 
 
 @dataclass(frozen=True)
@@ -141,189 +161,271 @@ class DecodeResult:
 
     batch: int
     steps: int
-    pdserve_s: tuple[float, ...]
-    transformers_s: tuple[float, ...] | None
+    seconds: tuple[float, ...]
 
     @property
-    def pdserve_step_ms(self) -> float:
-        return 1000.0 * median(self.pdserve_s) / self.steps
+    def step_ms(self) -> float:
+        return 1000.0 * median(self.seconds) / self.steps
 
     @property
-    def pdserve_tok_s(self) -> float:
-        return rate(self.batch * self.steps, median(self.pdserve_s))
+    def ms_per_token(self) -> float:
+        return self.step_ms / self.batch
 
     @property
-    def transformers_step_ms(self) -> float | None:
-        if self.transformers_s is None:
-            return None
-        return 1000.0 * median(self.transformers_s) / self.steps
+    def tok_s(self) -> float:
+        return rate(self.batch * self.steps, median(self.seconds))
 
-    @property
-    def transformers_tok_s(self) -> float | None:
-        if self.transformers_s is None:
-            return None
-        return rate(self.batch * self.steps, median(self.transformers_s))
+
+@dataclass(frozen=True)
+class SystemResult:
+    """One system's figures on one thread count: pdserve holding its weights in one format
+    (``weights``), or transformers (``weights`` is then its dtype). ``weight_bytes``: what a
+    decode step reads (see ``weight_bytes``)."""
+
+    weights: str
+    weight_bytes: int
+    prefill: tuple[PrefillResult, ...]
+    decode: tuple[DecodeResult, ...]
+
+    def prefill_at(self, tokens: int) -> PrefillResult | None:
+        return next((p for p in self.prefill if p.tokens == tokens), None)
+
+    def decode_at(self, batch: int) -> DecodeResult | None:
+        return next((d for d in self.decode if d.batch == batch), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "weights": self.weights,
+            "weight_bytes": self.weight_bytes,
+            "prefill": [
+                {**asdict(p), "tok_s": p.tok_s, "ms_per_token": p.ms_per_token}
+                for p in self.prefill
+            ],
+            "decode": [
+                {
+                    **asdict(d),
+                    "tok_s": d.tok_s,
+                    "step_ms": d.step_ms,
+                    "ms_per_token": d.ms_per_token,
+                }
+                for d in self.decode
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SystemResult:
+        return cls(
+            weights=data["weights"],
+            weight_bytes=data["weight_bytes"],
+            prefill=tuple(PrefillResult(p["tokens"], tuple(p["seconds"])) for p in data["prefill"]),
+            decode=tuple(
+                DecodeResult(d["batch"], d["steps"], tuple(d["seconds"])) for d in data["decode"]
+            ),
+        )
 
 
 @dataclass(frozen=True)
 class ThreadResult:
-    """Everything one child process measured on ``threads`` threads."""
+    """Everything measured on ``threads`` threads: the child process's pdserve (one entry per
+    weight format) and transformers figures, and llama.cpp's, which the parent adds."""
 
     threads: int
     copy_bytes: int
     copy_best_s: float
-    weight_bytes: int
     cpu_kernel: bool
-    prefill: tuple[PrefillResult, ...]
-    decode: tuple[DecodeResult, ...]
+    pdserve: tuple[SystemResult, ...]
+    transformers: SystemResult | None
     load_before: tuple[float, float, float]
     load_after: tuple[float, float, float]
     wall_s: float
+    llama_cpp: LlamaCppResult | None = None
 
     @property
     def copy_bytes_per_s(self) -> float:
         return self.copy_bytes / self.copy_best_s
 
-    @property
-    def floor_ms(self) -> float:
+    def floor_ms(self, weight_bytes: int) -> float:
         """Batch-1 decode step floor: every weight byte read once at copy bandwidth."""
-        return 1000.0 * self.weight_bytes / self.copy_bytes_per_s
+        return 1000.0 * weight_bytes / self.copy_bytes_per_s
 
     def to_json(self) -> dict[str, Any]:
-        """Raw timings plus every derived figure (tokens/s, ms/step, floor)."""
-        out = asdict(self)
-        out["copy_gb_per_s"] = self.copy_bytes_per_s / 1e9
-        out["floor_ms"] = self.floor_ms
-        out["prefill"] = [
-            {
-                **asdict(p),
-                "pdserve_tok_s": p.pdserve_tok_s,
-                "transformers_tok_s": p.transformers_tok_s,
-            }
-            for p in self.prefill
-        ]
-        out["decode"] = [
-            {
-                **asdict(d),
-                "pdserve_tok_s": d.pdserve_tok_s,
-                "pdserve_step_ms": d.pdserve_step_ms,
-                "transformers_tok_s": d.transformers_tok_s,
-                "transformers_step_ms": d.transformers_step_ms,
-            }
-            for d in self.decode
-        ]
-        return out
+        """Raw timings plus every derived figure (tokens/s, ms/step, ms/token, floors)."""
+        return {
+            "threads": self.threads,
+            "copy_bytes": self.copy_bytes,
+            "copy_best_s": self.copy_best_s,
+            "copy_gb_per_s": self.copy_bytes_per_s / 1e9,
+            "cpu_kernel": self.cpu_kernel,
+            "pdserve": [
+                {**s.to_json(), "floor_ms": self.floor_ms(s.weight_bytes)} for s in self.pdserve
+            ],
+            "transformers": None if self.transformers is None else self.transformers.to_json(),
+            "llama_cpp": None if self.llama_cpp is None else self.llama_cpp.to_json(),
+            "load_before": list(self.load_before),
+            "load_after": list(self.load_after),
+            "wall_s": self.wall_s,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ThreadResult:
-        def opt(values: list[float] | None) -> tuple[float, ...] | None:
-            return None if values is None else tuple(values)
-
+        hf, llama = data["transformers"], data.get("llama_cpp")
         return cls(
             threads=data["threads"],
             copy_bytes=data["copy_bytes"],
             copy_best_s=data["copy_best_s"],
-            weight_bytes=data["weight_bytes"],
             cpu_kernel=data["cpu_kernel"],
-            prefill=tuple(
-                PrefillResult(p["tokens"], tuple(p["pdserve_s"]), opt(p["transformers_s"]))
-                for p in data["prefill"]
-            ),
-            decode=tuple(
-                DecodeResult(
-                    d["batch"], d["steps"], tuple(d["pdserve_s"]), opt(d["transformers_s"])
-                )
-                for d in data["decode"]
-            ),
+            pdserve=tuple(SystemResult.from_json(s) for s in data["pdserve"]),
+            transformers=None if hf is None else SystemResult.from_json(hf),
             load_before=tuple(data["load_before"]),  # type: ignore[arg-type]
             load_after=tuple(data["load_after"]),  # type: ignore[arg-type]
             wall_s=data["wall_s"],
+            llama_cpp=None if llama is None else LlamaCppResult.from_json(llama),
         )
 
 
 @dataclass(frozen=True)
 class Row:
-    """One line of the results table. ``passed`` is None where there is no target to meet."""
+    """One line of the results table: one (threads, weights, phase, size).
+
+    ``vs_transformers`` is pdserve's tokens/s ÷ transformers'; ``vs_llama_cpp`` is pdserve's
+    ms per token ÷ llama.cpp's. ``judged`` is the ratio the row's target is judged on (one of
+    those, or the step ÷ floor); ``passed`` is None where there is no target or no reference.
+    """
 
     threads: int
+    weights: str
     metric: str
     pdserve: str
     transformers: str
-    ratio: float | None
+    llama_cpp: str
+    vs_transformers: float | None
+    vs_llama_cpp: float | None
     target: str
+    judged: float | None
     passed: bool | None
 
 
 # -- the table -------------------------------------------------------------------------
-def build_rows(results: Sequence[ThreadResult]) -> list[Row]:
-    """The table's rows: prefill and decode beside transformers, then the bandwidth floor.
+class _Figure(Protocol):
+    """A throughput figure of any of the three systems."""
 
-    Ratios are pdserve / transformers for throughput rows and step time / floor for the
-    floor row. Targets: prefill ratio >= 1.0 at every length, decode ratio >= 2.0 at batch
-    32, batch-1 step <= 1.5x the floor. A target whose reference is missing is not judged.
+    @property
+    def tok_s(self) -> float: ...
+
+    @property
+    def ms_per_token(self) -> float: ...
+
+
+def _cell(figure: _Figure | None) -> str:
+    return "—" if figure is None else f"{figure.tok_s:.1f} ({figure.ms_per_token:.1f} ms)"
+
+
+def _ratios(ours: _Figure, hf: _Figure | None, llama: _Figure | None) -> tuple[float | None, ...]:
+    """(tokens/s ÷ transformers', ms per token ÷ llama.cpp's)."""
+    return (
+        ratio(ours.tok_s, None if hf is None else hf.tok_s),
+        ratio(ours.ms_per_token, None if llama is None else llama.ms_per_token),
+    )
+
+
+def build_rows(results: Sequence[ThreadResult]) -> list[Row]:
+    """The table's rows: for each thread count and pdserve weight format, prefill and decode
+    beside transformers and llama.cpp, then the bandwidth floor.
+
+    Targets: prefill >= 1.0x transformers' tokens/s at every length; decode at batch 1 and 8
+    <= 1.0x llama.cpp's ms per token; decode at batch 32 >= 2.0x transformers' tokens/s;
+    batch-1 step <= 1.5x the floor. A target whose reference is missing is not judged.
     """
     rows: list[Row] = []
     for res in results:
-        for p in res.prefill:
-            r = ratio(p.pdserve_tok_s, p.transformers_tok_s)
-            rows.append(
-                Row(
-                    threads=res.threads,
-                    metric=f"prefill {p.tokens} tokens (tok/s)",
-                    pdserve=f"{p.pdserve_tok_s:.1f}",
-                    transformers=_fmt(p.transformers_tok_s, "{:.1f}"),
-                    ratio=r,
-                    target=f"≥ {PREFILL_TARGET:.2f}×",
-                    passed=None if r is None else r >= PREFILL_TARGET,
+        hf, llama = res.transformers, res.llama_cpp
+        for ours in res.pdserve:
+            for p in ours.prefill:
+                theirs = None if hf is None else hf.prefill_at(p.tokens)
+                lp = None if llama is None else llama.prefill_at(p.tokens)
+                vs_hf, vs_llama = _ratios(p, theirs, lp)
+                rows.append(
+                    Row(
+                        threads=res.threads,
+                        weights=ours.weights,
+                        metric=f"prefill {p.tokens} tokens (tok/s, ms/token)",
+                        pdserve=_cell(p),
+                        transformers=_cell(theirs),
+                        llama_cpp=_cell(lp),
+                        vs_transformers=vs_hf,
+                        vs_llama_cpp=vs_llama,
+                        target=f"≥ {PREFILL_TARGET:.2f}× transformers",
+                        judged=vs_hf,
+                        passed=None if vs_hf is None else vs_hf >= PREFILL_TARGET,
+                    )
                 )
-            )
-        for d in res.decode:
-            r = ratio(d.pdserve_tok_s, d.transformers_tok_s)
-            has_target = d.batch == DECODE_TARGET_BATCH
-            hf = (
-                "—"
-                if d.transformers_tok_s is None
-                else f"{d.transformers_tok_s:.1f} ({d.transformers_step_ms:.1f} ms)"
-            )
-            rows.append(
-                Row(
-                    threads=res.threads,
-                    metric=f"decode batch {d.batch} (tok/s, ms/step)",
-                    pdserve=f"{d.pdserve_tok_s:.1f} ({d.pdserve_step_ms:.1f} ms)",
-                    transformers=hf,
-                    ratio=r,
-                    target=f"≥ {DECODE_TARGET:.2f}×" if has_target else "—",
-                    passed=None if r is None or not has_target else r >= DECODE_TARGET,
+            for d in ours.decode:
+                theirs = None if hf is None else hf.decode_at(d.batch)
+                ld = None if llama is None else llama.decode_at(d.batch)
+                vs_hf, vs_llama = _ratios(d, theirs, ld)
+                target, judged, passed = "—", None, None
+                if d.batch in LLAMA_TARGET_BATCHES:
+                    target, judged = f"≤ {LLAMA_TARGET:.2f}× llama.cpp", vs_llama
+                    passed = None if judged is None else judged <= LLAMA_TARGET
+                elif d.batch == DECODE_TARGET_BATCH:
+                    target, judged = f"≥ {DECODE_TARGET:.2f}× transformers", vs_hf
+                    passed = None if judged is None else judged >= DECODE_TARGET
+                rows.append(
+                    Row(
+                        threads=res.threads,
+                        weights=ours.weights,
+                        metric=f"decode batch {d.batch} (tok/s, ms/token)",
+                        pdserve=_cell(d),
+                        transformers=_cell(theirs),
+                        llama_cpp=_cell(ld),
+                        vs_transformers=vs_hf,
+                        vs_llama_cpp=vs_llama,
+                        target=target,
+                        judged=judged,
+                        passed=passed,
+                    )
                 )
-            )
-        one = next((d for d in res.decode if d.batch == 1), None)
-        if one is not None:
-            r = ratio(one.pdserve_step_ms, res.floor_ms)
-            rows.append(
-                Row(
-                    threads=res.threads,
-                    metric="decode batch 1 step ÷ bandwidth floor (ms)",
-                    pdserve=f"{one.pdserve_step_ms:.1f}",
-                    transformers=_fmt(one.transformers_step_ms, "{:.1f}"),
-                    ratio=r,
-                    target=f"≤ {FLOOR_TARGET:.2f}× of {res.floor_ms:.1f} ms",
-                    passed=None if r is None else r <= FLOOR_TARGET,
+            one = ours.decode_at(1)
+            if one is not None:
+                floor = res.floor_ms(ours.weight_bytes)
+                theirs = None if hf is None else hf.decode_at(1)
+                ld = None if llama is None else llama.decode_at(1)
+                judged = ratio(one.step_ms, floor)
+                rows.append(
+                    Row(
+                        threads=res.threads,
+                        weights=ours.weights,
+                        metric="decode batch 1 step ÷ bandwidth floor (ms)",
+                        pdserve=f"{one.step_ms:.1f}",
+                        transformers=_fmt(None if theirs is None else theirs.step_ms, "{:.1f}"),
+                        llama_cpp=_fmt(None if ld is None else ld.step_ms, "{:.1f}"),
+                        vs_transformers=None,
+                        vs_llama_cpp=None,
+                        target=f"≤ {FLOOR_TARGET:.2f}× of {floor:.1f} ms",
+                        judged=judged,
+                        passed=None if judged is None else judged <= FLOOR_TARGET,
+                    )
                 )
-            )
     return rows
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    header = ("threads", "metric", "pdserve", "transformers", "ratio", "target", "result")
+    header = (
+        "threads", "weights", "metric", "pdserve", "transformers", "llama.cpp",
+        "÷ transformers (tok/s)", "÷ llama.cpp (ms/token)", "target", "result",
+    )  # fmt: skip
     cells = [
         (
             str(r.threads),
+            r.weights,
             r.metric,
             r.pdserve,
             r.transformers,
-            _fmt(r.ratio, "{:.2f}×"),
+            r.llama_cpp,
+            _fmt(r.vs_transformers, "{:.2f}×"),
+            _fmt(r.vs_llama_cpp, "{:.2f}×"),
             r.target,
-            "—" if r.passed is None else ("pass" if r.passed else "FAIL"),
+            "—" if r.passed is None else f"{'pass' if r.passed else 'FAIL'} ({r.judged:.2f}×)",
         )
         for r in rows
     ]
@@ -441,8 +543,26 @@ def _engine_decode_s(engine: Any, prompts: torch.Tensor, steps: int, repeats: in
     return times
 
 
+def weight_bytes(ckpt: Any, weights: str) -> int:
+    """Bytes of every weight a decode step reads, in the format the engine holds them.
+
+    ``float32`` (dense): every checkpoint tensor at the run's dtype. The checkpoint holds
+    each weight once (a tied LM head is the embedding), and a step reads all of them: every
+    layer matrix and norm, plus the embedding as LM head. ``quantized``: a GGUF's tensors as
+    stored (the packed blocks and the float ones), what llama.cpp reads too; a checkpoint
+    that is not GGUF has nothing quantized, so it counts as dense.
+    """
+    if weights == "quantized" and ckpt.format == "gguf":
+        import gguf
+
+        return sum(int(t.n_bytes) for t in gguf.GGUFReader(ckpt.path).tensors)
+    return sum(t.numel() * t.element_size() for t in ckpt.tensors.values())
+
+
 def run_threads(cfg: BenchConfig, threads: int) -> ThreadResult:
-    """Measure everything on ``threads`` threads in this process (call it in a fresh one)."""
+    """Measure pdserve (each weight format) and transformers on ``threads`` threads in this
+    process (call it in a fresh one). Every system gets the same prompts, one after the other
+    within each repeat, so drift in the machine's load hits all of them alike."""
     torch.set_num_threads(threads)
     wall0 = time.perf_counter()
     load_before = load_average()
@@ -456,27 +576,31 @@ def run_threads(cfg: BenchConfig, threads: int) -> ThreadResult:
     from kernels.paged_attention import cpu_kernel_available
 
     ckpt = load_checkpoint(cfg.model, dtype=cfg.torch_dtype)
-    # The checkpoint holds each weight once (a tied LM head is the embedding), and a decode
-    # step reads all of them: every layer matrix and norm, plus the embedding as LM head.
-    weight_bytes = sum(t.numel() * t.element_size() for t in ckpt.tensors.values())
     block = 16
     decode_tokens = cfg.context + 2 + cfg.decode_steps * cfg.repeats
     num_blocks = 1 + max(
         -(-(max(cfg.prefill_lens) + 1) // block),
         max(cfg.batches) * -(-decode_tokens // block),
     )
-    engine = LLMEngine(
-        EngineConfig(
-            dtype=cfg.dtype,
-            block_size=block,
-            num_kv_blocks=num_blocks,
-            max_num_seqs=max(cfg.batches),
-            enable_prefix_caching=False,
-            num_threads=threads,
-        ),
-        checkpoint=ckpt,
-        tokenizer=Tokenizer.from_path(ckpt.path),
-    )
+    tokenizer = Tokenizer.from_path(ckpt.path)
+    engines: dict[str, Any] = {}
+    for weights in cfg.weights:
+        engines[weights] = LLMEngine(
+            EngineConfig(
+                model=str(ckpt.path),
+                dtype=cfg.dtype,
+                block_size=block,
+                num_kv_blocks=num_blocks,
+                max_num_seqs=max(cfg.batches),
+                enable_prefix_caching=False,
+                num_threads=threads,
+                weights=weights,
+            ),
+            # The dense checkpoint is float32's weights as they are; any other format is
+            # loaded by the engine itself, from the file, the way it holds that format.
+            checkpoint=ckpt if weights == "float32" else None,
+            tokenizer=tokenizer,
+        )
     vocab = ckpt.config.vocab_size
     kernel = cpu_kernel_available()
     hf = _load_transformers(ckpt.path, cfg.torch_dtype) if cfg.transformers else None
@@ -484,44 +608,59 @@ def run_threads(cfg: BenchConfig, threads: int) -> ThreadResult:
 
     # Warm-up (untimed): first-call allocations, oneDNN primitives, the attention kernel.
     warm = _random_ids(gen, vocab, (min(128, max(cfg.prefill_lens)),))
-    engine.generate([warm.tolist()], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    for engine in engines.values():
+        engine.generate(
+            [warm.tolist()], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        )
     if hf is not None:
         _hf_prefill_s(hf, warm)
-    _log(threads, f"loaded; cpu attention kernel: {kernel}")
+    _log(threads, f"loaded {list(engines)}; cpu attention kernel: {kernel}")
 
-    prefill: list[PrefillResult] = []
+    systems = [*engines, *(["transformers"] if hf is not None else [])]
+    prefill: dict[str, list[PrefillResult]] = {name: [] for name in systems}
     for length in cfg.prefill_lens:
-        ours, theirs = [], []
+        times: dict[str, list[float]] = {w: [] for w in prefill}
         for _ in range(cfg.repeats):
             ids = _random_ids(gen, vocab, (length,))  # fresh per repeat: nothing cached
-            ours.append(_engine_prefill_s(engine, ids.tolist()))
+            for weights, engine in engines.items():
+                times[weights].append(_engine_prefill_s(engine, ids.tolist()))
             if hf is not None:
-                theirs.append(_hf_prefill_s(hf, ids))
-        res = PrefillResult(length, tuple(ours), None if hf is None else tuple(theirs))
-        prefill.append(res)
-        _log(threads, f"prefill {length}: pdserve {ours} s, transformers {theirs} s")
+                times["transformers"].append(_hf_prefill_s(hf, ids))
+        for name, seconds in times.items():
+            prefill[name].append(PrefillResult(length, tuple(seconds)))
+        _log(threads, f"prefill {length}: seconds {times}")
 
-    decode: list[DecodeResult] = []
+    decode: dict[str, list[DecodeResult]] = {w: [] for w in prefill}
     for batch in cfg.batches:
         prompts = _random_ids(gen, vocab, (batch, cfg.context))
-        ours = _engine_decode_s(engine, prompts, cfg.decode_steps, cfg.repeats)
-        theirs: list[float] = []
+        times = {w: [] for w in decode}
+        for weights, engine in engines.items():
+            times[weights] = _engine_decode_s(engine, prompts, cfg.decode_steps, cfg.repeats)
         if hf is not None:
             kw, cache = _hf_cache(hf, prompts[:, :-1])
             _hf_generate_s(hf, prompts, kw, cache, 2)  # warm-up at this batch shape
             for _ in range(cfg.repeats):
                 long = _hf_generate_s(hf, prompts, kw, cache, 1 + cfg.decode_steps)
                 short = _hf_generate_s(hf, prompts, kw, cache, 1)
-                theirs.append(long - short)
+                times["transformers"].append(long - short)
             del cache
             gc.collect()
-        res = DecodeResult(
-            batch, cfg.decode_steps, tuple(ours), None if hf is None else tuple(theirs)
-        )
-        decode.append(res)
-        _log(threads, f"decode batch {batch}: pdserve {ours} s, transformers {theirs} s")
+        for name, seconds in times.items():
+            decode[name].append(DecodeResult(batch, cfg.decode_steps, tuple(seconds)))
+        _log(threads, f"decode batch {batch}: seconds {times}")
 
-    del engine, hf, ckpt
+    pdserve = tuple(
+        SystemResult(w, weight_bytes(ckpt, w), tuple(prefill[w]), tuple(decode[w])) for w in engines
+    )
+    transformers = None
+    if hf is not None:
+        transformers = SystemResult(
+            cfg.dtype,
+            weight_bytes(ckpt, "float32"),
+            tuple(prefill["transformers"]),
+            tuple(decode["transformers"]),
+        )
+    del engines, engine, hf, ckpt
     gc.collect()
     copies.append(measure_copy_bandwidth(cfg.copy_mib << 20))
     best = min(copies, key=lambda c: c.best_s)
@@ -530,10 +669,9 @@ def run_threads(cfg: BenchConfig, threads: int) -> ThreadResult:
         threads=threads,
         copy_bytes=best.nbytes,
         copy_best_s=best.best_s,
-        weight_bytes=weight_bytes,
         cpu_kernel=kernel,
-        prefill=tuple(prefill),
-        decode=tuple(decode),
+        pdserve=pdserve,
+        transformers=transformers,
         load_before=load_before,
         load_after=load_average(),
         wall_s=time.perf_counter() - wall0,
@@ -559,10 +697,51 @@ def _spawn(threads: int, argv: Sequence[str]) -> ThreadResult:
         return ThreadResult.from_json(json.loads(out.read_text()))
 
 
+def _say(message: str) -> None:
+    print(f"[bench.engine] {message}", file=sys.stderr, flush=True)
+
+
+def llama_cpp_model(model: str | None) -> Path | None:
+    """The GGUF llama.cpp runs: ``--model`` when it is a ``.gguf`` file, else the default."""
+    if model is None:
+        from engine.checkpoint import default_model_path
+
+        return default_model_path()
+    path = Path(model).expanduser()
+    return path if path.suffix.lower() == ".gguf" and path.is_file() else None
+
+
+def measure_llama_cpp(
+    cfg: BenchConfig, threads: int, layout: BuildLayout
+) -> tuple[LlamaCppResult | None, str | None]:
+    """llama.cpp's figures on ``threads`` threads for the sizes of ``cfg``, or ``None`` and
+    why not (binaries not built, a checkpoint that is not GGUF, a tool that failed): the
+    run carries on without them."""
+    if layout.missing():
+        return None, build_hint(layout)
+    model = llama_cpp_model(cfg.model)
+    if model is None:
+        return None, f"llama.cpp runs a GGUF file only; {cfg.model} is not one"
+    try:
+        result = llama_bench.measure(
+            model,
+            threads=threads,
+            context=cfg.context,
+            gen_tokens=cfg.decode_steps * cfg.repeats,
+            batches=cfg.batches,
+            prompt_lens=cfg.prefill_lens,
+            repeats=cfg.repeats,
+            layout=layout,
+        )
+    except (FileNotFoundError, LlamaCppError) as exc:
+        return None, f"llama.cpp on {threads} threads failed: {exc}"
+    return result, None
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m bench.engine",
-        description="pdserve engine prefill/decode throughput beside transformers.",
+        description="pdserve engine prefill/decode throughput beside transformers and llama.cpp.",
     )
     p.add_argument("--threads", type=int, nargs="+", help="thread counts (default: 1 2)")
     p.add_argument(
@@ -574,6 +753,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, help="repeats per figure; medians (default: 3)")
     p.add_argument("--copy-mib", type=int, help="copy-bandwidth buffer, MiB (default: 1024)")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers side")
+    p.add_argument(
+        "--weights",
+        nargs="+",
+        choices=WEIGHT_FORMATS,
+        help="pdserve weight formats, one row group each (default: quantized)",
+    )
+    p.add_argument(
+        "--no-llama-cpp",
+        action="store_true",
+        help="skip llama.cpp (llama-batched-bench, llama-bench)",
+    )
+    p.add_argument(
+        "--llama-cpp-dir",
+        type=Path,
+        default=None,
+        help="the llama.cpp build of `python -m bench.peers.llama_server build` "
+        "(default: ~/.cache/pdserve/llama.cpp/<version>)",
+    )
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--model", default=None, help="checkpoint path (default: SmolLM2-135M GGUF)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
@@ -602,6 +799,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         decode_steps=pick("decode_steps"),
         repeats=pick("repeats"),
         transformers=not args.no_transformers,
+        weights=tuple(pick("weights")),
+        llama_cpp=not args.no_llama_cpp,
+        llama_cpp_dir=None if args.llama_cpp_dir is None else str(args.llama_cpp_dir),
         dtype=args.dtype,
         copy_mib=pick("copy_mib"),
         seed=args.seed,
@@ -622,18 +822,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = shlex.join(["python", "-m", "bench.engine", *argv])
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     t0 = time.perf_counter()
-    results = [_spawn(threads, argv) for threads in cfg.threads]
+    layout = BuildLayout(Path(cfg.llama_cpp_dir) if cfg.llama_cpp_dir else default_cache_dir())
+    results: list[ThreadResult] = []
+    llama_skipped: list[str] = []
+    for threads in cfg.threads:
+        res = _spawn(threads, argv)
+        if cfg.llama_cpp:  # after the child has exited: the two never share the cores
+            llama, why = measure_llama_cpp(cfg, threads, layout)
+            if why is not None:
+                _say(f"no llama.cpp column: {why}")
+                llama_skipped.append(why)
+            res = dataclasses.replace(res, llama_cpp=llama)
+        results.append(res)
     rows = build_rows(results)
     machine = machine_info()
     print(f"command: {command}")
     print(f"machine: {machine['cpu_model']}, {machine['cpu_count']} CPUs; started {started}")
     for res in results:
+        floors = ", ".join(
+            f"{s.weights} {s.weight_bytes / 1e6:.1f} MB "
+            f"(floor {res.floor_ms(s.weight_bytes):.1f} ms)"
+            for s in res.pdserve
+        )
         print(
             f"threads {res.threads}: copy {res.copy_bytes_per_s / 1e9:.2f} GB/s, "
-            f"weights {res.weight_bytes / 1e6:.1f} MB, floor {res.floor_ms:.1f} ms, "
-            f"cpu attention kernel {res.cpu_kernel}, load "
+            f"weights {floors}, cpu attention kernel {res.cpu_kernel}, load "
             f"{res.load_before[0]:.2f} -> {res.load_after[0]:.2f}, {res.wall_s:.0f} s"
         )
+        if res.llama_cpp is not None:
+            for line in res.llama_cpp.commands:
+                print(f"  llama.cpp: {line}")
+    for why in dict.fromkeys(llama_skipped):
+        print(f"no llama.cpp column: {why}")
     print()
     print(format_table(rows))
     if args.json:
@@ -647,6 +867,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "machine": machine,
                 "results": [res.to_json() for res in results],
                 "rows": [asdict(r) for r in rows],
+                "llama_cpp_skipped": llama_skipped,
             },
         )
     return 0

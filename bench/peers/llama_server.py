@@ -1,4 +1,5 @@
-"""llama.cpp's C++ ``llama-server`` as a benchmark peer: build it from source, start it, stop it.
+"""llama.cpp's C++ ``llama-server`` as a benchmark peer: build it (and llama.cpp's bench
+tools) from source, start it, stop it.
 
 Benchmark-only: nothing in pdserve, its tests or CI needs the binary. It is the fair peer
 (parallel slots, continuous batching); llama-cpp-python's own Python server runs one request
@@ -6,9 +7,11 @@ at a time.
 
 Build (``build``): ``pip download`` the sdist of ``llama-cpp-python`` (pinned), unpack it,
 configure ``vendor/llama.cpp`` with cmake for the CPU only (Release, no CUDA/Metal/Vulkan,
-no curl, native CPU flags, static libraries) and build the ``llama-server`` target alone into
+no curl, native CPU flags, static libraries) and build the targets in ``BUILD_TARGETS``
+(``llama-server``, and the ``llama-bench`` and ``llama-batched-bench`` tools that
+``bench.peers.llama_bench`` runs) with one ``cmake --build`` into
 ``~/.cache/pdserve/llama.cpp/<version>/``. Each step is skipped when its output exists, so
-``build`` is idempotent and resumes an interrupted build.
+``build`` is idempotent and resumes an interrupted build (or one that predates a target).
 
 Serve (``start``): ``--parallel N`` slots share ``--ctx-size`` equally, so the context is
 ``N x`` a per-slot size that holds the longest prompt plus its output (``ctx_size_for``).
@@ -51,6 +54,9 @@ from types import TracebackType
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 """The ``llama-cpp-python`` sdist the server is built from (its ``vendor/llama.cpp``)."""
+
+BUILD_TARGETS: tuple[str, ...] = ("llama-server", "llama-bench", "llama-batched-bench")
+"""The cmake targets ``build`` makes; each binary lands in ``build/bin/<target>``."""
 
 BUILD_JOBS = 2
 SLOT_ALIGN = 512
@@ -109,9 +115,29 @@ class BuildLayout:
     def build_dir(self) -> Path:
         return self.cache_dir / "build"
 
+    def target_binary(self, target: str) -> Path:
+        """Where cmake puts the binary of ``target`` (one of ``BUILD_TARGETS``)."""
+        return self.build_dir / "bin" / target
+
     @property
     def binary(self) -> Path:
-        return self.build_dir / "bin" / "llama-server"
+        """``llama-server``."""
+        return self.target_binary("llama-server")
+
+    @property
+    def bench_binary(self) -> Path:
+        """``llama-bench``: prompt processing and generation speed of one sequence."""
+        return self.target_binary("llama-bench")
+
+    @property
+    def batched_bench_binary(self) -> Path:
+        """``llama-batched-bench``: speed with several sequences decoded in one batch."""
+        return self.target_binary("llama-batched-bench")
+
+    def missing(self) -> list[Path]:
+        """The binaries of ``BUILD_TARGETS`` that are not built (not an executable file)."""
+        paths = [self.target_binary(t) for t in BUILD_TARGETS]
+        return [p for p in paths if not (p.is_file() and os.access(p, os.X_OK))]
 
 
 def pip_download_command(version: str, dest: Path, python: str = sys.executable) -> list[str]:
@@ -127,13 +153,17 @@ def cmake_configure_command(source: Path, build_dir: Path) -> list[str]:
     return ["cmake", "-S", str(source), "-B", str(build_dir), *CMAKE_OPTIONS]
 
 
-def cmake_build_command(build_dir: Path, jobs: int = BUILD_JOBS) -> list[str]:
-    """Build the ``llama-server`` target only."""
+def cmake_build_command(
+    build_dir: Path, jobs: int = BUILD_JOBS, targets: Sequence[str] = BUILD_TARGETS
+) -> list[str]:
+    """Build ``targets`` (default ``BUILD_TARGETS``) in one ``cmake --build``."""
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
+    if not targets:
+        raise ValueError("need at least one target")
     return [
         "cmake", "--build", str(build_dir), "--config", "Release",
-        "--target", "llama-server", "-j", str(jobs),
+        "--target", *targets, "-j", str(jobs),
     ]  # fmt: skip
 
 
@@ -253,17 +283,19 @@ def build(
     jobs: int = BUILD_JOBS,
     say: Callable[[str], None] = _say,
 ) -> Path:
-    """Build ``llama-server`` from the ``llama-cpp-python==version`` sdist; return its path.
+    """Build ``BUILD_TARGETS`` from the ``llama-cpp-python==version`` sdist; return the path
+    of ``llama-server`` (the others are ``BuildLayout``'s ``bench_binary`` and
+    ``batched_bench_binary``).
 
-    Idempotent: returns at once when the binary exists; otherwise each step whose output
+    Idempotent: returns at once when every binary exists; otherwise each step whose output
     exists (sdist, unpacked sources) is skipped, and cmake resumes a partial build. Needs
     network access to PyPI (first run only), ``cmake`` and a C++ compiler. Raises
     ``subprocess.CalledProcessError`` when a step fails and ``RuntimeError`` when a tool or
     file is missing.
     """
     layout = BuildLayout(cache_dir or default_cache_dir(version), version)
-    if layout.binary.is_file() and os.access(layout.binary, os.X_OK):
-        say(f"already built: {layout.binary}")
+    if not layout.missing():
+        say(f"already built: {', '.join(BUILD_TARGETS)} in {layout.binary.parent}")
         return layout.binary
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
@@ -298,11 +330,12 @@ def build(
 
     say("configuring (cmake, CPU only, Release)")
     _run(cmake_configure_command(layout.llama_cpp_dir, layout.build_dir), say)
-    say(f"building llama-server with -j {jobs} (several minutes on 2 cores)")
+    say(f"building {', '.join(BUILD_TARGETS)} with -j {jobs} (several minutes on 2 cores)")
     _run(cmake_build_command(layout.build_dir, jobs), say)
-    if not layout.binary.is_file():
-        raise RuntimeError(f"build finished but {layout.binary} is missing")
-    say(f"built {layout.binary} in {time.monotonic() - started:.0f} s")
+    missing = layout.missing()
+    if missing:
+        raise RuntimeError(f"build finished but {', '.join(map(str, missing))} missing")
+    say(f"built {layout.binary.parent} in {time.monotonic() - started:.0f} s")
     return layout.binary
 
 
@@ -449,7 +482,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description="Build and run llama.cpp's llama-server as a benchmark peer.",
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="download, configure and build llama-server (idempotent)")
+    b = sub.add_parser(
+        "build", help="download, configure and build llama-server and the bench tools (idempotent)"
+    )
     b.add_argument("--version", default=LLAMA_CPP_PYTHON_VERSION, help="llama-cpp-python sdist")
     b.add_argument("--cache-dir", type=Path, default=None, help="default: ~/.cache/pdserve/...")
     b.add_argument("--jobs", type=int, default=BUILD_JOBS)

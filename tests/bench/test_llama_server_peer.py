@@ -1,15 +1,19 @@
-"""The llama-server peer's pure parts: context sizing, command lines, paths, CPU lists.
+"""The llama-server peer's pure parts: context sizing, command lines, paths, CPU lists,
+and the build's skip logic (with the download and cmake steps recorded, not run).
 
 Nothing here builds or runs llama-server: the binary is a benchmark-only dependency.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 
+from bench.peers import llama_server
 from bench.peers.llama_server import (
+    BUILD_TARGETS,
     LLAMA_CPP_PYTHON_VERSION,
     BuildLayout,
     ServerConfig,
@@ -96,17 +100,24 @@ def test_server_config_rejects_nonsense(kwargs: dict[str, int]) -> None:
         ServerConfig(model_path=Path("m.gguf"), **{"port": 8080, **kwargs})
 
 
-def test_build_commands_are_cpu_only_release_and_target_the_server() -> None:
+def test_build_commands_are_cpu_only_release_and_build_every_target_at_once() -> None:
     layout = BuildLayout(Path("/cache/v"), "0.3.36")
     configure = cmake_configure_command(layout.llama_cpp_dir, layout.build_dir)
     assert configure[:5] == ["cmake", "-S", str(layout.llama_cpp_dir), "-B", "/cache/v/build"]
     for option in ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_CUDA=OFF", "-DLLAMA_CURL=OFF"):
         assert option in configure
     build = cmake_build_command(layout.build_dir, jobs=2)
-    assert flag_value(build, "--target") == "llama-server"
+    assert build.count("--target") == 1 and build.count("--build") == 1
+    at = build.index("--target") + 1
+    assert tuple(build[at : at + 3]) == BUILD_TARGETS
+    assert set(BUILD_TARGETS) == {"llama-server", "llama-bench", "llama-batched-bench"}
     assert flag_value(build, "-j") == "2"
+    only = cmake_build_command(layout.build_dir, targets=("llama-bench",))
+    assert only[only.index("--target") + 1 : only.index("-j")] == ["llama-bench"]
     with pytest.raises(ValueError):
         cmake_build_command(layout.build_dir, jobs=0)
+    with pytest.raises(ValueError):
+        cmake_build_command(layout.build_dir, targets=())
 
 
 def test_pip_download_fetches_only_the_pinned_sdist() -> None:
@@ -121,6 +132,8 @@ def test_layout_paths_sit_under_the_versioned_cache_dir() -> None:
     assert cache == Path.home() / ".cache" / "pdserve" / "llama.cpp" / "1.2.3"
     layout = BuildLayout(cache, "1.2.3")
     assert layout.binary == cache / "build" / "bin" / "llama-server"
+    assert layout.bench_binary == cache / "build" / "bin" / "llama-bench"
+    assert layout.batched_bench_binary == cache / "build" / "bin" / "llama-batched-bench"
     assert layout.llama_cpp_dir == cache / "src" / "llama_cpp_python-1.2.3" / "vendor" / "llama.cpp"
     assert BuildLayout(cache).version == LLAMA_CPP_PYTHON_VERSION
 
@@ -149,3 +162,66 @@ def test_cli_parses_build_and_serve() -> None:
     assert (serve.cmd, serve.port, serve.parallel, serve.threads) == ("serve", 8080, 9, 2)
     assert serve.ctx_size is None and serve.cpus is None
     assert parse_args(["serve", "--cpus", "0-1"]).cpus == {0, 1}
+
+
+def _executable(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n")
+    path.chmod(0o755)
+
+
+def _recording_run(
+    layout: BuildLayout, calls: list[list[str]]
+) -> Callable[[Sequence[str], Callable[[str], None]], None]:
+    """Stands in for ``_run``: records the command; cmake --build makes the binaries."""
+
+    def run(cmd: Sequence[str], say: Callable[[str], None]) -> None:
+        calls.append(list(cmd))
+        if cmd[:2] == ["cmake", "--build"]:
+            for target in cmd[cmd.index("--target") + 1 : cmd.index("-j")]:
+                _executable(layout.target_binary(target))
+
+    return run
+
+
+def test_missing_lists_binaries_that_are_not_executable(tmp_path: Path) -> None:
+    layout = BuildLayout(tmp_path)
+    assert layout.missing() == [layout.target_binary(t) for t in BUILD_TARGETS]
+    _executable(layout.binary)
+    layout.bench_binary.write_text("not executable")
+    assert layout.missing() == [layout.bench_binary, layout.batched_bench_binary]
+    for target in BUILD_TARGETS:
+        _executable(layout.target_binary(target))
+    assert layout.missing() == []
+
+
+def test_build_is_a_no_op_once_every_binary_exists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layout = BuildLayout(tmp_path, "9.9.9")
+    for target in BUILD_TARGETS:
+        _executable(layout.target_binary(target))
+    calls: list[list[str]] = []
+    monkeypatch.setattr(llama_server, "_run", _recording_run(layout, calls))
+    assert llama_server.build("9.9.9", tmp_path, say=lambda _: None) == layout.binary
+    assert calls == []
+
+
+def test_build_adds_the_bench_tools_to_a_server_only_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache from before the bench tools (server built, sources unpacked) is completed:
+    no download, one configure and one build of every target."""
+    layout = BuildLayout(tmp_path, "9.9.9")
+    _executable(layout.binary)
+    layout.sdist_dir.mkdir(parents=True)
+    (layout.sdist_dir / "llama_cpp_python-9.9.9.tar.gz").write_bytes(b"")
+    layout.llama_cpp_dir.mkdir(parents=True)
+    calls: list[list[str]] = []
+    monkeypatch.setattr(llama_server, "_run", _recording_run(layout, calls))
+    assert llama_server.build("9.9.9", tmp_path, jobs=1, say=lambda _: None) == layout.binary
+    assert calls == [
+        cmake_configure_command(layout.llama_cpp_dir, layout.build_dir),
+        cmake_build_command(layout.build_dir, 1),
+    ]
+    assert layout.missing() == []
