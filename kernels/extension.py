@@ -34,6 +34,8 @@ class Extension:
         self._failed = False
 
     def load(self) -> ModuleType | None:
+        if self._module is not None:  # the hot path: every kernel call asks
+            return self._module
         with self._lock:
             if self._module is not None or self._failed:
                 return self._module
@@ -46,7 +48,11 @@ class Extension:
                     name=f"pdserve_{self.stem}_{isa}_{digest}",
                     sources=[str(self.source)],
                     extra_include_paths=[str(CSRC)],
-                    extra_cflags=["-O3", *flags, *self.extra_cflags],
+                    # -fopenmp: at::parallel_for runs on torch's intra-op threads (without it
+                    # the header falls back to one thread). It links libgomp.so.1 by soname:
+                    # the copy torch loaded, so there is one OpenMP runtime in the process.
+                    extra_cflags=["-O3", "-fopenmp", *flags, *self.extra_cflags],
+                    extra_ldflags=["-fopenmp"],
                     verbose=False,
                 )
             except Exception as e:  # no compiler, no ninja, no headers: keep the reference

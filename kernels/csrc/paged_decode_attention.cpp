@@ -194,13 +194,18 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   const int64_t tok_stride = Hkv * D;             // between tokens inside a block
   const int64_t blk_stride = block * tok_stride;  // between blocks
 
-  // One work item is one sequence with all its heads; its output does not depend on
-  // what else is in the batch.
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;  // [Hq, len]: head-major so the softmax runs on contiguous rows
-    for (int64_t b = begin; b < end; ++b)
-      attend(qp + b * Hq * D, kp, vp, tables + b * max_blocks, lens[b], Hq, Hkv, D, block,
-             tok_stride, blk_stride, fscale, op + b * Hq * D, scores);
+  // One work item is one sequence's group of query heads over one kv head (so a batch of
+  // one still spreads over the threads); a head's output does not depend on what else is in
+  // the batch. attend() sees the group as Hq = G heads over a single kv head.
+  const int64_t G = Hq / Hkv;
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;  // [G, len]: head-major so the softmax runs on contiguous rows
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv;
+      attend(qp + (b * Hq + h * G) * D, kp + h * D, vp + h * D, tables + b * max_blocks,
+             lens[b], G, 1, D, block, tok_stride, blk_stride, fscale,
+             op + (b * Hq + h * G) * D, scores);
+    }
   });
 }
 

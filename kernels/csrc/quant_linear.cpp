@@ -7,8 +7,10 @@
 // layout (Q8_0, Q4_0, Q4_1: 32 elements per block; Q4_K, Q6_K: 256 per super-block). A
 // weight is dequantized 8 elements at a time in registers, with the same float32
 // operations in the same order as gguf-py's numpy reference, so a dequantized element is
-// bit-identical to the float32 checkpoint's; only the order of the dot product's float32
-// additions differs from a dense matmul's.
+// bit-identical to the float32 checkpoint's.
+//
+// A product takes each chunk's scale (and min) out of its sum where the type has one per
+// 32 elements (Q8_0, Q4_0, Q4_1, Q4_K): sum(x w) = d sum(x q) + m sum(x).
 //
 // Work is split over output columns (rows of W): each weight byte is read once per call,
 // whatever M is. Up to MR input rows share each dequantized vector (rows of x stay in
@@ -25,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -37,20 +40,21 @@ namespace {
 enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 
 constexpr int64_t MR = 8;  // input rows sharing one dequantized vector
+constexpr int64_t PREFETCH = 1024;  // bytes ahead of the weight read
 
 struct Layout {
   int64_t elems;  // elements per block
   int64_t bytes;  // bytes per block
 };
 
-Layout layout_of(int64_t t) {
+constexpr Layout layout_of(int64_t t) {
   switch (t) {
     case Q4_0: return {32, 18};
     case Q4_1: return {32, 20};
     case Q8_0: return {32, 34};
     case Q4_K: return {256, 144};
     case Q6_K: return {256, 210};
-    default: TORCH_CHECK(false, "quantization type ", t, " has no kernel");
+    default: return {0, 0};
   }
 }
 
@@ -174,6 +178,12 @@ void row_dot_scalar(int64_t t, const uint8_t* row, int64_t K, const float* x, in
 #ifdef PDSERVE_AVX2
 // ---- AVX2 path: one 32-element chunk into four vectors of 8 --------------------------------
 
+inline float half_f16c(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
 inline __m256 bcast_half(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
@@ -229,8 +239,8 @@ inline void chunk_avx2(const uint8_t* row, int64_t c, __m256 w[4]) {
       const int64_t j = c % 8;
       int sc, mn;
       q4k_scale_min(b + 4, j, sc, mn);
-      const __m256 d = _mm256_set1_ps(half_to_float(b) * static_cast<float>(sc));
-      const __m256 dm = _mm256_set1_ps(half_to_float(b + 2) * static_cast<float>(mn));
+      const __m256 d = _mm256_set1_ps(half_f16c(b) * static_cast<float>(sc));
+      const __m256 dm = _mm256_set1_ps(half_f16c(b + 2) * static_cast<float>(mn));
       const uint8_t* q = b + 16 + (j / 2) * 32;
       const int shift = static_cast<int>(j % 2) * 4;
       const __m128i sh = _mm_cvtsi32_si128(shift);
@@ -246,7 +256,7 @@ inline void chunk_avx2(const uint8_t* row, int64_t c, __m256 w[4]) {
       const uint8_t* ql = b + 64 * h + (t4 % 2) * 32;
       const uint8_t* qh = b + 128 + 32 * h;
       const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * h + 2 * t4;
-      const float d = half_to_float(b + 208);
+      const float d = half_f16c(b + 208);
       const __m128i ls = _mm_cvtsi32_si128(static_cast<int>(t4 / 2) * 4);
       const __m128i hs = _mm_cvtsi32_si128(static_cast<int>(2 * t4));
       const __m256i three = _mm256_set1_epi32(3), bias = _mm256_set1_epi32(32);
@@ -263,6 +273,48 @@ inline void chunk_avx2(const uint8_t* row, int64_t c, __m256 w[4]) {
   }
 }
 
+// Types whose 32-element chunk has one scale d and one offset m (w = d * q + m): their
+// products take d and m out of the sum, sum(x w) = d sum(x q) + m sum(x), which saves two
+// operations per 8 weights. (Q6_K has a scale per 16 elements and keeps the dequantized
+// vectors.) Only the order of float32 operations differs from dequantize-then-multiply.
+template <int64_t t>
+constexpr bool kFactored = t == Q8_0 || t == Q4_0 || t == Q4_1 || t == Q4_K;
+template <int64_t t>
+constexpr bool kHasMin = t == Q4_1 || t == Q4_K;
+
+template <int64_t t>
+inline void chunk_q(const uint8_t* row, int64_t c, __m256 q[4], float& d, float& m) {
+  const __m256i lo4 = _mm256_set1_epi32(0xF);
+  if constexpr (t == Q8_0) {
+    const uint8_t* b = row + c * 34;
+    d = half_f16c(b);
+    m = 0.f;
+    for (int v = 0; v < 4; ++v) q[v] = _mm256_cvtepi32_ps(load8_i8(b + 2 + 8 * v));
+  } else if constexpr (t == Q4_0 || t == Q4_1) {
+    const int64_t size = t == Q4_0 ? 18 : 20, off = t == Q4_0 ? 2 : 4;
+    const uint8_t* b = row + c * size;
+    d = half_f16c(b);
+    m = t == Q4_1 ? half_f16c(b + 2) : 0.f;
+    const __m256i bias = _mm256_set1_epi32(t == Q4_0 ? 8 : 0);
+    for (int v = 0; v < 2; ++v) {
+      const __m256i qi = load8_u8(b + off + 8 * v);
+      q[v] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(qi, lo4), bias));
+      q[v + 2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(qi, 4), bias));
+    }
+  } else if constexpr (t == Q4_K) {
+    const uint8_t* b = row + (c / 8) * 144;
+    const int64_t j = c % 8;
+    int sc, mn;
+    q4k_scale_min(b + 4, j, sc, mn);
+    d = half_f16c(b) * static_cast<float>(sc);
+    m = -(half_f16c(b + 2) * static_cast<float>(mn));
+    const uint8_t* qs = b + 16 + (j / 2) * 32;
+    const __m128i sh = _mm_cvtsi32_si128(static_cast<int>(j % 2) * 4);
+    for (int v = 0; v < 4; ++v)
+      q[v] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(load8_u8(qs + 8 * v), sh), lo4));
+  }
+}
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -272,40 +324,67 @@ inline float hsum(__m256 v) {
 
 // Rows [m0, m0 + R) of x against one row of W: each dequantized chunk feeds R rows.
 template <int64_t t, int R>
-inline void row_dot_avx2(const uint8_t* row, int64_t K, const float* x, int64_t ldx, float* out,
-                         int64_t ldo) {
+inline void row_dot_avx2(const uint8_t* row, int64_t K, const float* x, int64_t ldx,
+                         const float* xsum, float* out, int64_t ldo) {
   __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  float macc[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    macc[r] = 0.f;
+  }
   __m256 w[4];
-  for (int64_t c = 0; c < K / 32; ++c) {
-    chunk_avx2<t>(row, c, w);
-    for (int r = 0; r < R; ++r) {
-      const float* xr = x + r * ldx + 32 * c;
-      __m256 a = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
-      a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), a);
-      a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), a);
-      a = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), a);
-      acc[r] = _mm256_add_ps(acc[r], a);
+  const int64_t chunks = K / 32;
+  // Weights stream from memory once per call: ask for the bytes PREFETCH ahead (past this
+  // row's end that is the next row's start) so the loads overlap the arithmetic.
+  constexpr int64_t chunk_bytes = layout_of(t).bytes * 32 / layout_of(t).elems;
+  for (int64_t c = 0; c < chunks; ++c) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + c * chunk_bytes + PREFETCH), _MM_HINT_T0);
+    if constexpr (kFactored<t>) {
+      float d, m;
+      chunk_q<t>(row, c, w, d, m);
+      const __m256 dv = _mm256_set1_ps(d);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * ldx + 32 * c;
+        __m256 a = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
+        a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), a);
+        a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), a);
+        a = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), a);
+        acc[r] = _mm256_fmadd_ps(dv, a, acc[r]);
+        if constexpr (kHasMin<t>) macc[r] += m * xsum[r * chunks + c];
+      }
+    } else {
+      chunk_avx2<t>(row, c, w);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * ldx + 32 * c;
+        __m256 a = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
+        a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), a);
+        a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), a);
+        a = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), a);
+        acc[r] = _mm256_add_ps(acc[r], a);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) out[r * ldo] = hsum(acc[r]);
+  for (int r = 0; r < R; ++r) out[r * ldo] = hsum(acc[r]) + macc[r];
 }
 
 template <int64_t t>
 void row_dot_avx2_any(const uint8_t* row, int64_t K, const float* x, int64_t M, int64_t ldx,
-                      float* out, int64_t ldo) {
+                      const float* xsum, float* out, int64_t ldo) {
+  const int64_t chunks = K / 32;
   int64_t m0 = 0;
-  for (; m0 + MR <= M; m0 += MR) row_dot_avx2<t, MR>(row, K, x + m0 * ldx, ldx, out + m0 * ldo, ldo);
+  for (; m0 + MR <= M; m0 += MR)
+    row_dot_avx2<t, MR>(row, K, x + m0 * ldx, ldx, xsum + m0 * chunks, out + m0 * ldo, ldo);
   x += m0 * ldx;
+  xsum += m0 * chunks;
   out += m0 * ldo;
   switch (M - m0) {
-    case 7: row_dot_avx2<t, 7>(row, K, x, ldx, out, ldo); break;
-    case 6: row_dot_avx2<t, 6>(row, K, x, ldx, out, ldo); break;
-    case 5: row_dot_avx2<t, 5>(row, K, x, ldx, out, ldo); break;
-    case 4: row_dot_avx2<t, 4>(row, K, x, ldx, out, ldo); break;
-    case 3: row_dot_avx2<t, 3>(row, K, x, ldx, out, ldo); break;
-    case 2: row_dot_avx2<t, 2>(row, K, x, ldx, out, ldo); break;
-    case 1: row_dot_avx2<t, 1>(row, K, x, ldx, out, ldo); break;
+    case 7: row_dot_avx2<t, 7>(row, K, x, ldx, xsum, out, ldo); break;
+    case 6: row_dot_avx2<t, 6>(row, K, x, ldx, xsum, out, ldo); break;
+    case 5: row_dot_avx2<t, 5>(row, K, x, ldx, xsum, out, ldo); break;
+    case 4: row_dot_avx2<t, 4>(row, K, x, ldx, xsum, out, ldo); break;
+    case 3: row_dot_avx2<t, 3>(row, K, x, ldx, xsum, out, ldo); break;
+    case 2: row_dot_avx2<t, 2>(row, K, x, ldx, xsum, out, ldo); break;
+    case 1: row_dot_avx2<t, 1>(row, K, x, ldx, xsum, out, ldo); break;
     default: break;
   }
 }
@@ -313,9 +392,22 @@ void row_dot_avx2_any(const uint8_t* row, int64_t K, const float* x, int64_t M, 
 template <int64_t t>
 void qlinear_avx2(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const float* x,
                   int64_t M, float* out) {
+  // Each 32-element chunk's sum of x, for the offsets of types with a min.
+  const int64_t chunks = K / 32;
+  std::vector<float> xsum(kHasMin<t> ? M * chunks : 0);
+  if constexpr (kHasMin<t>) {
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float* xc = x + r * K + 32 * c;
+        __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xc), _mm256_loadu_ps(xc + 8)),
+                                 _mm256_add_ps(_mm256_loadu_ps(xc + 16), _mm256_loadu_ps(xc + 24)));
+        xsum[r * chunks + c] = hsum(s);
+      }
+  }
+  const float* xs = xsum.data();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
-      row_dot_avx2_any<t>(w + n * row_bytes, K, x, M, K, out + n, N);
+      row_dot_avx2_any<t>(w + n * row_bytes, K, x, M, K, xs, out + n, N);
   });
 }
 
@@ -351,6 +443,7 @@ void dispatch(int64_t t, F&& f) {
 void qlinear(torch::Tensor out, torch::Tensor x, torch::Tensor w, int64_t qtype, bool portable) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const Layout l = layout_of(qtype);
+  TORCH_CHECK(l.elems > 0, "quantization type ", qtype, " has no kernel");
   TORCH_CHECK(K % l.elems == 0 && w.size(1) == K / l.elems * l.bytes, "qlinear: bad shapes");
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -373,6 +466,7 @@ void qlinear(torch::Tensor out, torch::Tensor x, torch::Tensor w, int64_t qtype,
 void dequantize(torch::Tensor out, torch::Tensor w, int64_t qtype, bool portable) {
   const int64_t N = w.size(0), K = out.size(1);
   const Layout l = layout_of(qtype);
+  TORCH_CHECK(l.elems > 0, "quantization type ", qtype, " has no kernel");
   TORCH_CHECK(K % l.elems == 0 && w.size(1) == K / l.elems * l.bytes, "dequantize: bad shapes");
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
