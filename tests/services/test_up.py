@@ -142,3 +142,11 @@ def test_pdserve_up_redis_keeps_what_it_was_told_across_a_kill_9(tmp_path) -> No
         client.close()
     finally:
         stack.stop()
+
+
+def test_worker_memory_lines_come_from_their_ready_lines() -> None:
+    from services.up import _memory_line
+
+    ready = "READY decode 127.0.0.1:5000 weights=quantized weight_mib=98.9 kv_mib=511.9"
+    assert _memory_line(ready) == "quantized weights 98.9 MiB, KV 511.9 MiB"
+    assert _memory_line("READY decode 127.0.0.1:5000") == ""  # an older worker: no line

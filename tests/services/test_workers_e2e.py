@@ -151,6 +151,23 @@ async def test_disaggregated_equals_colocated(cluster, prompts, expected, transp
     assert await _wait_metric(ports[transport], "pdserve:kv_cache_usage_perc", 0.0) == 0.0
 
 
+def test_workers_state_their_weight_format_and_memory_on_ready(cluster) -> None:
+    # --weights auto: packed blocks on decode workers, dense float32 on the prefill worker;
+    # `pdserve up` prints these fields. Default model: 96.6 MB of GGUF tensors, 621 MiB dense.
+    procs, _ = cluster
+
+    def fields(name: str) -> dict[str, str]:
+        return dict(part.split("=", 1) for part in procs[name].ready_line.split() if "=" in part)
+
+    for name in ("shm", "tcp"):
+        ready = fields(name)
+        assert ready["weights"] == "quantized"
+        assert 90 < float(ready["weight_mib"]) <= 1.25 * 96.6e6 / 2**20
+        assert float(ready["kv_mib"]) == pytest.approx(float(KV_MIB), rel=0.01)
+    prefill = fields("prefill")
+    assert prefill["weights"] == "float32" and float(prefill["weight_mib"]) > 500
+
+
 async def test_concurrent_streams(cluster, prompts, expected) -> None:
     procs, _ = cluster
     reqs = [(i % len(prompts), f"c{i}") for i in range(16)]

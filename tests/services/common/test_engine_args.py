@@ -62,6 +62,22 @@ def test_engine_config_mapping() -> None:
     assert not EngineArgs().engine_config().chunked_prefill
 
 
+def test_weights_auto_picks_per_role() -> None:
+    auto = EngineArgs()
+    assert auto.weights == "auto"
+    assert auto.engine_config(role="decode").weights == "quantized"
+    assert auto.engine_config(role="colocated").weights == "quantized"
+    assert auto.engine_config().weights == "quantized"  # generate, the gateway's local engine
+    assert auto.engine_config(role="prefill").weights == "float32"
+    for role in ("prefill", "decode", "colocated"):
+        assert EngineArgs(weights="float32").engine_config(role=role).weights == "float32"
+        assert EngineArgs(weights="quantized").engine_config(role=role).weights == "quantized"
+        # packed weights compute in float32: another dtype keeps dense weights
+        assert EngineArgs(dtype="bfloat16").engine_config(role=role).weights == "float32"
+    with pytest.raises(ValueError, match="float32"):
+        EngineArgs(weights="quantized", dtype="bfloat16")
+
+
 def test_a_pinned_engine_gets_one_thread_per_core_unless_told() -> None:
     assert EngineArgs().engine_config().num_threads is None  # torch's choice
     assert EngineArgs().engine_config(frozenset({3})).num_threads == 1
