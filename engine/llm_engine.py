@@ -163,12 +163,15 @@ class LLMEngine:
         region a prefill worker writes into); by default the engine allocates it."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.weight_format = _weight_format(config)
-        ckpt = checkpoint or load_checkpoint(
-            config.model, dtype=config.torch_dtype, quantized=self.weight_format == "quantized"
-        )
-        if checkpoint is not None:
+        if checkpoint is None:
+            self.weight_format = _weight_format(config)
+            quantized = self.weight_format == "quantized"
+            checkpoint = load_checkpoint(
+                config.model, dtype=config.torch_dtype, quantized=quantized
+            )
+        else:
             self.weight_format = _format_of(checkpoint)
+        ckpt = checkpoint
         self.config = config
         self.model_config = ckpt.config
         self.tokenizer = tokenizer or Tokenizer.from_path(ckpt.path)

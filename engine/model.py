@@ -45,7 +45,7 @@ class _Stacked:
 
     @property
     def nbytes(self) -> int:
-        return sum(_nbytes(part) for part in self.parts)
+        return sum(part.nbytes for part in self.parts)
 
 
 def _linear(
@@ -60,12 +60,6 @@ def _linear(
         weight = QuantizedWeight.concat(packed) if len(packed) > 1 else packed[0]
         return QuantLinear(weight, scratch)
     return _Stacked([_linear([p], pack, scratch) for p in parts])  # type: ignore[misc]
-
-
-def _nbytes(layer: Linear | _Stacked) -> int:
-    if isinstance(layer, PackedLinear):
-        return layer.out_features * layer.in_features * 4
-    return layer.nbytes
 
 
 class _Layer:
@@ -92,8 +86,12 @@ class _Layer:
 
     @property
     def nbytes(self) -> int:
-        norms = (self.attn_norm.numel() + self.mlp_norm.numel()) * 4
-        return norms + sum(_nbytes(m) for m in self.linears())
+        norms = _tensor_bytes(self.attn_norm) + _tensor_bytes(self.mlp_norm)
+        return norms + sum(m.nbytes for m in self.linears())
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _dense(weight: Weight) -> torch.Tensor:
@@ -236,14 +234,14 @@ class LlamaModel:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of weights this model holds: packed blocks at their size, dense ones in
-        float32, and the scratch a large batch dequantizes one packed weight into."""
+        """Bytes of weights this model holds: packed blocks at their size, dense ones at
+        their dtype, and the scratch a large batch dequantizes one packed weight into."""
         embed = self.embed
-        embed_bytes = embed.nbytes if isinstance(embed, QuantizedWeight) else embed.numel() * 4
+        embed_bytes = embed.nbytes if isinstance(embed, QuantizedWeight) else _tensor_bytes(embed)
         head_shared = self.config.tie_word_embeddings and isinstance(embed, QuantizedWeight)
-        head_bytes = 0 if head_shared else _nbytes(self.lm_head)
+        head_bytes = 0 if head_shared else self.lm_head.nbytes
         layers = sum(layer.nbytes for layer in self.layers)
-        return embed_bytes + head_bytes + layers + self.norm.numel() * 4 + self.scratch.nbytes
+        return embed_bytes + head_bytes + layers + _tensor_bytes(self.norm) + self.scratch.nbytes
 
     def _attention(
         self,

@@ -60,6 +60,13 @@ class Extension:
                 log.warning("cpu_kernel_unavailable", kernel=self.stem, error=str(e))
             return self._module
 
+    def require(self) -> ModuleType:
+        """The loaded module; ``RuntimeError`` when the kernel could not be built."""
+        mod = self.load()
+        if mod is None:
+            raise RuntimeError(f"the CPU kernel {self.stem!r} is not available")
+        return mod
+
 
 def source_digest(source: Path) -> str:
     """The source's digest with every shared header of ``csrc`` (a header change rebuilds)."""

@@ -7,8 +7,6 @@ Each has a torch reference in the engine (``engine/model.py``'s ``_rms_norm``,
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 
 from kernels.extension import Extension
@@ -18,13 +16,6 @@ _EXTENSION = Extension("layer_ops", ("-ffp-contract=off", "-fopenmp-simd", "-fno
 
 def layer_ops_available() -> bool:
     return _EXTENSION.load() is not None
-
-
-def _module() -> ModuleType:
-    mod = _EXTENSION.load()
-    if mod is None:
-        raise RuntimeError("the CPU layer-ops kernel is not available")
-    return mod
 
 
 def _check_rows(name: str, t: torch.Tensor, width: int | None = None) -> None:
@@ -40,7 +31,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if weight.shape != (x.shape[1],) or weight.dtype != torch.float32:
         raise ValueError(f"weight must be float32 [{x.shape[1]}]")
     out = torch.empty_like(x)
-    _module().rms_norm(out, x, weight, eps)
+    _EXTENSION.require().rms_norm(out, x, weight, eps)
     return out
 
 
@@ -55,7 +46,7 @@ def add_rms_norm(
     if weight.shape != (x.shape[1],) or weight.dtype != torch.float32:
         raise ValueError(f"weight must be float32 [{x.shape[1]}]")
     out = torch.empty_like(x)
-    _module().add_rms_norm(out, x, delta, weight, eps)
+    _EXTENSION.require().add_rms_norm(out, x, delta, weight, eps)
     return out
 
 
@@ -65,7 +56,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.shape[1] % 2:
         raise ValueError("gate_up rows hold gate and up: an even width")
     out = gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
-    _module().silu_mul(out, gate_up)
+    _EXTENSION.require().silu_mul(out, gate_up)
     return out
 
 
@@ -104,7 +95,7 @@ def rope_write_kv(
             raise ValueError(f"{name} must be contiguous int64 [{t}]")
     if not ranges_checked:
         check_slot_ranges(positions, slot_blocks, slot_offsets, cos.shape[0], k_pool.shape[:2])
-    _module().rope_write_kv(
+    _EXTENSION.require().rope_write_kv(
         qkv, cos, sin, positions, k_pool, v_pool, slot_blocks, slot_offsets,
         num_heads, num_kv_heads,
     )  # fmt: skip

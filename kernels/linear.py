@@ -51,7 +51,7 @@ def _check() -> bool:
 class PackedLinear:
     """``y = x @ weight^T`` for ``x`` ``[M, in]`` (any M >= 1); ``weight`` is ``[out, in]``."""
 
-    __slots__ = ("in_features", "out_features", "packed", "weight")
+    __slots__ = ("in_features", "nbytes", "out_features", "packed", "weight")
 
     def __init__(self, weight: torch.Tensor, *, pack: bool | None = None) -> None:
         if weight.dim() != 2:
@@ -64,6 +64,7 @@ class PackedLinear:
                 and packing_available()
             )
         self.packed = pack
+        self.nbytes = weight.numel() * weight.element_size()  # the packed copy's size too
         weight = weight.contiguous()
         self.weight = (
             torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT) if pack else weight

@@ -41,9 +41,7 @@ def decode_attention_cpu(
     ``[num_blocks, block_size, kv_heads, D]``; ``block_tables`` ``[B, max_blocks]`` covers
     ``context_lens[b]`` tokens for every row; everything float32, contiguous, on the CPU.
     """
-    mod = _EXTENSION.load()
-    if mod is None:
-        raise RuntimeError("the CPU paged attention kernel is not available")
+    mod = _EXTENSION.require()
     b, heads, dim = q.shape
     n, block, kv_heads, kdim = k_pool.shape
     if kdim != dim or v_pool.shape != k_pool.shape:

@@ -14,7 +14,6 @@ Types with a kernel: ``KERNEL_TYPES``; anything else stays dense (the loader dec
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 
 import numpy as np
 import torch
@@ -43,13 +42,6 @@ _SCALE_OFFSETS = {
 
 def kernel_available() -> bool:
     return _EXTENSION.load() is not None
-
-
-def _module() -> ModuleType:
-    mod = _EXTENSION.load()
-    if mod is None:
-        raise RuntimeError("the CPU quantized-linear kernel is not available")
-    return mod
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,14 +112,14 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, *, portable: bool = False) -> t
         raise ValueError("quantized linear runs on CPU tensors")
     out = x.new_empty((x.shape[0], out_f))
     if x.shape[0]:
-        _module().qlinear(out, x.contiguous(), w.data, int(w.qtype), portable)
+        _EXTENSION.require().qlinear(out, x.contiguous(), w.data, int(w.qtype), portable)
     return out
 
 
 def dequantize(w: QuantizedWeight, *, portable: bool = False) -> torch.Tensor:
     """The dense float32 ``[out_features, in_features]`` weight."""
     out = torch.empty(w.shape, dtype=torch.float32)
-    _module().dequantize(out, w.data, int(w.qtype), portable)
+    _EXTENSION.require().dequantize(out, w.data, int(w.qtype), portable)
     return out
 
 
@@ -139,7 +131,7 @@ def dequantize_rows(w: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor:
     picked = w.data.index_select(0, rows.reshape(-1))
     out = torch.empty((rows.numel(), w.shape[1]), dtype=torch.float32)
     if rows.numel():
-        _module().dequantize(out, picked, int(w.qtype), False)
+        _EXTENSION.require().dequantize(out, picked, int(w.qtype), False)
     return out.reshape(*rows.shape, w.shape[1])
 
 
@@ -189,7 +181,7 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scratch is not None and x.dim() == 2 and x.shape[0] > self.DENSE_ROWS:
             dense = self.scratch.take(self.weight.shape)
-            _module().dequantize(dense, self.weight.data, int(self.weight.qtype), False)
+            _EXTENSION.require().dequantize(dense, self.weight.data, int(self.weight.qtype), False)
             return torch.nn.functional.linear(x, dense)
         return qlinear(x, self.weight)
 
