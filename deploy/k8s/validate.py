@@ -2,7 +2,9 @@
 
 Built-in kinds: the strict JSON schemas ``kubernetes-validate`` bundles (no unknown fields
 anywhere), for each version in ``KUBERNETES_VERSIONS``: the oldest these manifests claim
-(the gateway's ``preStop: sleep`` needs 1.30) and the newest the package knows.
+(the gateway's ``preStop: sleep`` needs 1.30) and the newest the package knows. The
+package's own ``validate()`` reads its 1 MB of definitions again for every object; this
+builds one validator per kind and version from the same files, the same way.
 ``ServiceMonitor`` is a CRD whose schema no bundle has: it is checked against
 ``SERVICE_MONITOR_SCHEMA`` below, the subset of prometheus-operator's
 ``monitoring.coreos.com/v1`` CRD that these manifests use, closed to other fields. Any
@@ -14,10 +16,13 @@ Usage: ``python -m deploy.k8s.validate deploy/k8s/base`` (needs the ``test`` ext
 from __future__ import annotations
 
 import argparse
+import functools
+import re
 import sys
 from typing import Any
 
 import jsonschema
+from referencing import Registry, Resource
 
 from deploy.k8s.render import KustomizeError, render
 
@@ -111,10 +116,34 @@ def _where(obj: dict[str, Any]) -> str:
     return f"{obj.get('kind')}/{(obj.get('metadata') or {}).get('name')}"
 
 
+@functools.cache
+def _definitions(schema_dir: str, version: str) -> Resource[Any]:
+    from kubernetes_validate import utils  # here: only validating needs the package
+
+    return Resource.from_contents(utils.schema_contents(f"{schema_dir}/_definitions.json", version))
+
+
+@functools.cache
+def _validator(version: str, api_version: str, kind: str) -> jsonschema.Validator | None:
+    """The strict schema of ``kind`` in Kubernetes ``version`` (None: the bundle has none),
+    looked up as ``kubernetes_validate.utils.validate`` does."""
+    from kubernetes_validate import utils
+
+    full = max((v for v in utils.all_versions() if utils.major_minor(v) == version), default=None)
+    if full is None:
+        raise ValueError(f"kubernetes-validate bundles no schemas for {version}")
+    schema_dir = f"kubernetes-json-schema/v{full}-local-strict"
+    group = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)  # apps/v1 -> apps-v1
+    try:
+        schema = utils.schema_contents(f"{schema_dir}/{kind.lower()}-{group}.json", version)
+    except FileNotFoundError:
+        return None
+    registry = _definitions(schema_dir, version) @ (Resource.from_contents(schema) @ Registry())
+    return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
 def validate(objects: list[dict[str, Any]]) -> list[str]:
     """Every schema violation of ``objects``, as ``Kind/name [version] path: message``."""
-    from kubernetes_validate import utils  # here: the module is only needed to validate
-
     problems: list[str] = []
     for obj in objects:
         custom = CUSTOM_SCHEMAS.get((obj.get("apiVersion"), obj.get("kind")))
@@ -124,13 +153,15 @@ def validate(objects: list[dict[str, Any]]) -> list[str]:
                 problems.append(f"{_where(obj)} [CRD subset] {path}: {e.message}")
             continue
         for version in KUBERNETES_VERSIONS:
-            try:
-                utils.validate(obj, version, strict=True)
-            except utils.ValidationError as e:
-                path = ".".join(str(p) for p in e.path)
+            validator = _validator(version, str(obj.get("apiVersion")), str(obj.get("kind")))
+            if validator is None:
+                problems.append(
+                    f"{_where(obj)}: no schema for {obj.get('apiVersion')} in {version}"
+                )
+                continue
+            for e in validator.iter_errors(obj):
+                path = ".".join(str(p) for p in e.absolute_path)
                 problems.append(f"{_where(obj)} [{version}] {path}: {e.message}")
-            except utils.SchemaNotFoundError as e:
-                problems.append(f"{_where(obj)}: {e.message}")
     return problems
 
 
