@@ -48,7 +48,8 @@ def check_stack(objects: list[dict[str, Any]]) -> list[str]:
     problems: list[str] = []
     workloads = [o for o in objects if o["kind"] in WORKLOAD_KINDS]
     redis = [w for w in workloads
-             if image_name(the_container(w).get("image", "")) == REDIS_IMAGE]  # fmt: skip
+             if any(image_name(c.get("image", "")) == REDIS_IMAGE
+                    for c in pod_spec(w).get("containers") or [])]  # fmt: skip
     if len(redis) != 1:
         problems.append(f"need exactly one redis workload, got {[name_of(w) for w in redis]}")
     services: dict[str, Service] = {}
@@ -63,10 +64,13 @@ def check_stack(objects: list[dict[str, Any]]) -> list[str]:
         if svc.module in services:
             problems.append(f"{svc.module} runs in both {services[svc.module].name} and {svc.name}")
         services[svc.module] = svc
-    if len({the_container(s.workload).get("image") for s in services.values()}) > 1:
+    if len({s.container.get("image") for s in services.values()}) > 1:
         problems.append("the pdserve workloads must share one image")
     for w in workloads:
-        problems += _check_pod(w)
+        try:
+            problems += _check_pod(w)
+        except Problem as e:
+            problems.append(str(e))
     if missing := sorted(set(PARSERS) - set(services)):
         return [*problems, f"no workload runs {missing}"]
 

@@ -336,6 +336,9 @@ STACK_MUTATIONS: dict[str, tuple[Callable[[Objects], None], str]] = {
         _set("PodDisruptionBudget", "decode", "spec.selector.matchLabels",
              {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/component": "scheduler"}),
         "single replica"),
+    "a sidecar": (
+        lambda o: _find(o, "Deployment", "decode")["spec"]["template"]["spec"]["containers"]
+        .append({"name": "proxy", "image": "envoy"}), "one container per pod"),
     "missing service": (
         lambda o: o.remove(_find(o, "Deployment", "prefill")), "no workload runs"),
     "two redis": (
