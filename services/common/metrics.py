@@ -27,6 +27,11 @@ QUEUE_TIME = Histogram(
 )  # fmt: skip
 RUNNING = Gauge("pdserve:num_requests_running", "Requests in the running batch.", ["role"])
 WAITING = Gauge("pdserve:num_requests_waiting", "Requests queued for admission.", ["role"])
+PROMPT_TOKENS_WAITING = Gauge(
+    "pdserve:num_prompt_tokens_waiting",
+    "Prompt tokens accepted and not computed yet (queued prefills, cached prefixes excluded).",
+    ["role"],
+)
 KV_USAGE = Gauge("pdserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", ["role"])
 KV_FREE = Gauge(
     "pdserve:kv_free_blocks", "KV blocks allocatable now (cached ones included).", ["role"]

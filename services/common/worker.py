@@ -16,7 +16,7 @@ from typing import Any
 import structlog
 import torch
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineStats
 from engine.kv_cache import KVCacheSpec
 from engine.llm_engine import LLMEngine
 from kernels.paged_attention import cpu_kernel_available
@@ -119,10 +119,11 @@ def worker_info(
     )
 
 
-def load_snapshot(aengine: AsyncEngine, role: str) -> scheduler_pb2.LoadSnapshot:
-    st = aengine.stats
+def load_snapshot(st: EngineStats, role: str) -> scheduler_pb2.LoadSnapshot:
+    """The heartbeat's load report; sets the load gauges to the same numbers."""
     metrics.RUNNING.labels(role).set(st.running + st.held)
     metrics.WAITING.labels(role).set(st.waiting)
+    metrics.PROMPT_TOKENS_WAITING.labels(role).set(st.queued_prefill_tokens)
     metrics.KV_USAGE.labels(role).set(st.kv_usage)
     metrics.KV_FREE.labels(role).set(st.free_blocks)
     return scheduler_pb2.LoadSnapshot(
@@ -162,7 +163,7 @@ async def serve_worker(
     async def publish_gauges() -> None:
         waits = 0
         while True:
-            load_snapshot(aengine, role)
+            load_snapshot(aengine.stats, role)
             now = aengine.num_delivery_waits
             if now > waits:
                 metrics.DELIVERY_WAIT_TIMEOUTS.labels(role).inc(now - waits)
@@ -174,7 +175,7 @@ async def serve_worker(
     if args.scheduler:
         info = worker_info(args, role, server, aengine.engine, transports, kv_region)
         registrar = Registrar(
-            args.scheduler, info, lambda: load_snapshot(aengine, role),
+            args.scheduler, info, lambda: load_snapshot(aengine.stats, role),
             interval_s=args.heartbeat_interval_s, cache=aengine.engine.cache_events,
         )  # fmt: skip
         background.append(registrar.run())

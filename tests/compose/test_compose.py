@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import http.server
-import io
 import json
 import re
 import shlex
@@ -34,18 +33,14 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.common.engine_args import EngineArgs
-from services.decode.config import load_config as decode_config
-from services.gateway.config import load_config as gateway_config
-from services.prefill.config import load_config as prefill_config
-from services.scheduler.config import load_config as scheduler_config
 from services.scheduler.policy import HOST_LOCAL_TRANSPORTS
+from tests.service_argv import ALL_INTERFACES, PARSERS, WORKERS, Problem, parse_service
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
 DOCKERFILE = COMPOSE_DIR / "Dockerfile"
 
-ALL_INTERFACES = ("0.0.0.0", "::", "[::]")
 RESTARTING = ("on-failure", "always", "unless-stopped")  # Docker's policies that restart
 # The worker entrypoint: appends the container's own hostname as the advertised address.
 ADVERTISE_ENTRYPOINT = [
@@ -58,23 +53,12 @@ CONTAINER_HOSTNAME = "0123456789ab"  # what Docker puts in HOSTNAME: the short c
 SETUP = "bash scripts/setup.sh"
 INSTALL_TOOLS = re.compile(r"\b(pip|pip3|apt-get|apt|conda|uv|poetry)\b")
 
-PARSERS: dict[str, Callable[[list[str]], Any]] = {
-    "services.scheduler": lambda argv: scheduler_config(argv, environ={}),
-    "services.gateway": lambda argv: gateway_config(argv, environ={}),
-    "services.prefill": lambda argv: prefill_config(argv, environ={}),
-    "services.decode": lambda argv: decode_config(argv, environ={}),
-}
-WORKERS = ("services.prefill", "services.decode")
 # What compose sets on purpose beyond the shared engine defaults: one torch thread per
 # worker container, whatever the host's cores (compose/README.md).
 COMPOSE_ENGINE = {
     "services.prefill": EngineArgs(threads=1),
     "services.decode": EngineArgs(threads=1),
 }
-
-
-class Problem(Exception):
-    """One way the compose file disagrees with the code."""
 
 
 # --- reading compose values ----------------------------------------------------------------
@@ -107,18 +91,6 @@ def effective_argv(name: str, svc: dict[str, Any]) -> list[str]:
         raise Problem(f"{name}: unknown entrypoint {entry!r}")
     # test_advertise_entrypoint_appends_the_hostname runs the real wrapper to show this.
     return [*argv, "--advertise-host", CONTAINER_HOSTNAME]
-
-
-def parse_service(name: str, argv: list[str]) -> tuple[str, Any]:
-    """``python -m <module> flags...`` parsed by that module's own parser."""
-    if argv[:2] != ["python", "-m"] or len(argv) < 3 or argv[2] not in PARSERS:
-        raise Problem(f"{name}: command must be `python -m <one of {sorted(PARSERS)}>`: {argv}")
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            return argv[2], PARSERS[argv[2]](argv[3:])
-    except SystemExit as e:
-        raise Problem(f"{name}: {argv[2]} rejects its flags: {err.getvalue().strip()}") from e
 
 
 def env_names(svc: dict[str, Any]) -> list[str]:
