@@ -3,12 +3,9 @@ metrics server started the way the services start theirs."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,32 +14,9 @@ from prometheus_client import CollectorRegistry, Counter
 
 from services.common import process
 from services.launcher import Stack, free_port
-from services.prometheus import READY_LINE, prometheus_proc, scrape_config
+from services.prometheus import scrape_config
 from services.up import launch, load_up_config
-
-needs_prometheus = pytest.mark.skipif(
-    shutil.which("prometheus") is None, reason="the prometheus binary is not installed"
-)
-
-
-def query(base: str, expr: str) -> list[dict]:
-    """An instant query's result vector (``assert`` on an error)."""
-    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    with urllib.request.urlopen(url, timeout=5) as r:
-        body = json.load(r)
-    assert body["status"] == "success", body
-    return body["data"]["result"]
-
-
-def start_prometheus(tmp_path: Path, jobs: dict[str, list[str]]) -> tuple[Stack, str]:
-    """A real Prometheus scraping ``jobs`` every 200 ms; returns its stack and base URL."""
-    config = tmp_path / "prometheus.yml"
-    config.write_text(scrape_config(jobs, interval_s=0.2))
-    address = f"127.0.0.1:{free_port()}"
-    stack = Stack(log_dir=tmp_path)
-    stack.start(prometheus_proc(config, address, tmp_path), ready_line=READY_LINE)
-    stack.wait_ready(stack.procs, timeout=30)
-    return stack, f"http://{address}"
+from tests.prometheus_server import needs_prometheus, query, start_prometheus
 
 
 def test_the_config_names_each_job_and_its_targets() -> None:
@@ -69,8 +43,7 @@ def test_a_real_prometheus_scrapes_a_service_metrics_server(tmp_path: Path) -> N
     process.start_metrics(port, "127.0.0.1", registry)
     stack, base = start_prometheus(tmp_path, {"gateway": [f"127.0.0.1:{port}"]})
     try:
-        deadline = time.monotonic() + 15
-        # Prometheus hands new targets to its scrapers every 5 s.
+        deadline = time.monotonic() + 15  # targets reach the scrapers within 5 s
         while not (got := query(base, 'pdserve:probe_total{job="gateway"}')):
             assert time.monotonic() < deadline, "Prometheus never scraped the target"
             time.sleep(0.2)

@@ -9,12 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.metrics_http import serve_metrics
-
-# What Prometheus 2.x sends: OpenMetrics first, the classic text format as a fallback.
-PROMETHEUS_ACCEPT = (
-    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
-    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
-)
+from tests.scrape import PROMETHEUS_ACCEPT
 
 
 def test_samples_keep_their_colon_names_when_openmetrics_is_asked_for() -> None:
