@@ -21,6 +21,9 @@ an append-only file in ``<log dir>/redis``, so a restarted Redis has the request
 restarted scheduler reloads the worker registry from Redis and workers it no longer knows
 register again (docs/operations.md). When it stops, KV segments of workers that could not
 remove their own are swept.
+
+Every service's /metrics is printed (free ports, but the gateway's HTTP port); ``--prometheus``
+also starts Prometheus scraping them (``services.prometheus``, deploy/README.md).
 """
 
 from __future__ import annotations
