@@ -231,7 +231,7 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
     engine = settings.to_argv(cfg.engine)
     common = ["--host", cfg.host, "--port", "0", "--scheduler", sched.address,
               "--heartbeat-interval-s", "0.5", *engine]  # fmt: skip
-    metrics = {"scheduler": f"http://{cfg.host}:{sched_metrics}/metrics"}
+    metrics: dict[str, str] = {}  # worker -> /metrics: bench and tests read metrics:* as workers
 
     def start_worker(name: str, module: str, *flags: str) -> Proc:
         port = free_port()
@@ -259,9 +259,11 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
     gateway = stack.start(Proc("gateway", py("services.gateway", *gw), control))
     stack.wait_ready([gateway])
     _wait_placeable(gateway.address)
-    metrics["gateway"] = f"http://{gateway.address}/metrics"
     scrape["gateway"] = [gateway.address]
-    more: dict[str, str] = {}
+    more = {
+        "scheduler-metrics": f"http://{cfg.host}:{sched_metrics}/metrics",
+        "gateway-metrics": f"http://{gateway.address}/metrics",
+    }
     if cfg.prometheus:
         config = workdir / "prometheus.yml"
         config.write_text(scrape_config(scrape))
@@ -269,7 +271,7 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
         stack.wait_ready(
             [stack.start(prometheus_proc(config, address, workdir), ready_line=READY_LINE)]
         )
-        more = {"prometheus": f"http://{address}", "prometheus-config": str(config)}
+        more |= {"prometheus": f"http://{address}", "prometheus-config": str(config)}
     return {
         "http": f"http://{gateway.address}/v1",
         "grpc": _field(gateway.ready_text, "grpc") or f"{cfg.host}:{cfg.grpc_port}",

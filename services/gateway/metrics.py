@@ -122,7 +122,11 @@ class GatewayMetrics:
             ["model_name"],
             registry=r,
         )
-        self.goodput.labels(model_name)  # exported at 0 from the start
+        # Exported at 0 from the start: a series born at its first increment hides that
+        # increment from rate(), which would put goodput above the finished requests.
+        self.goodput.labels(model_name)
+        for reason in ("stop", "length"):
+            self.request_success.labels(model_name, reason)
 
         self.migrations = Counter(
             "pdserve:migrations",

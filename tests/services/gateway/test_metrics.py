@@ -65,6 +65,8 @@ def test_unset_bounds_are_not_checked_but_failures_never_count() -> None:
 def test_the_counter_is_exported_at_zero_and_configured_in_milliseconds() -> None:
     text = GatewayMetrics(MODEL).render().decode()
     assert f'pdserve:request_goodput_total{{model_name="{MODEL}"}} 0.0' in text
+    # ... as are the finished requests it is compared with, so rate() sees their first one
+    assert f'request_success_total{{finished_reason="stop",model_name="{MODEL}"}} 0.0' in text
     cfg = load_config(["--slo-ttft-ms", "500"], {"PDSERVE_GATEWAY_SLO_ITL_MS": "40"})
     assert LatencySlo.from_ms(cfg.slo_ttft_ms, cfg.slo_itl_ms) == LatencySlo(0.5, 0.04)
     assert LatencySlo.from_ms(None, None) == LatencySlo()
