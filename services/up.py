@@ -21,6 +21,9 @@ an append-only file in ``<log dir>/redis``, so a restarted Redis has the request
 restarted scheduler reloads the worker registry from Redis and workers it no longer knows
 register again (docs/operations.md). When it stops, KV segments of workers that could not
 remove their own are swept.
+
+Every service's /metrics is printed (free ports, but the gateway's HTTP port); ``--prometheus``
+also starts Prometheus scraping them (``services.prometheus``, deploy/README.md).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from services.common.config import cpu_list, tcp_congestion
 from services.common.engine_args import EngineArgs
 from services.common.settings import setting
 from services.launcher import Proc, Stack, default_log_dir, free_port, py, redis_proc
+from services.prometheus import READY_LINE, prometheus_exe, prometheus_proc, scrape_config
 from services.scheduler.model import Routing
 from services.scheduler.policy import LOCAL_PREFILL_MAX_TOKENS
 from services.supervisor import RestartPolicy, Supervisor
@@ -106,6 +110,12 @@ class UpConfig:
         "per-process logs and Redis's append-only file (default: a new temporary directory)",
     )
     echo_logs: bool = setting(False, "copy every process log to stderr")
+    prometheus: bool = setting(
+        False,
+        "also start Prometheus (the prometheus binary on PATH) scraping every service; its "
+        "config, written from the ports given out, goes to the log dir",
+    )
+    prometheus_port: int = setting(9090, "--prometheus: its HTTP port (0: a free one)")
     smoke: str | None = setting(
         None,
         "send one streaming chat request through the gateway, print the answer and stop "
@@ -186,6 +196,9 @@ def worker_placement(
 def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
     """Start everything and wait until it serves; returns the endpoints."""
     workdir = stack.log_dir
+    scrape: dict[str, list[str]] = {}  # Prometheus job -> host:port of each /metrics
+    if cfg.prometheus:
+        prometheus_exe()  # a missing binary fails before anything starts
     # One fresh cluster token per stack, in every process's environment (never on a command
     # line); the stack's own, whatever the caller's environment says.
     stack.env.setdefault("PDSERVE_CLUSTER_TOKEN", secrets.token_urlsafe(32))
@@ -197,9 +210,12 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
     redis.cpus = control
     stack.start(redis, ready_line="Ready to accept connections")
     sched_port = cfg.scheduler_port or free_port()
+    sched_metrics = free_port()
+    scrape["scheduler"] = [f"{cfg.host}:{sched_metrics}"]
     sched = stack.start(Proc("scheduler", py(
         "services.scheduler", "--grpc-host", cfg.host, "--grpc-port", str(sched_port),
-        "--metrics-port", "0", "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
+        "--metrics-host", cfg.host, "--metrics-port", str(sched_metrics),
+        "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
         "--heartbeat-ttl-s", str(cfg.heartbeat_ttl_s), "--routing", cfg.routing,
         "--local-prefill-max-tokens", str(cfg.local_prefill_max_tokens),
     ), control))  # fmt: skip
@@ -215,11 +231,12 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
     engine = settings.to_argv(cfg.engine)
     common = ["--host", cfg.host, "--port", "0", "--scheduler", sched.address,
               "--heartbeat-interval-s", "0.5", *engine]  # fmt: skip
-    metrics: dict[str, str] = {}
+    metrics: dict[str, str] = {}  # worker -> /metrics: bench and tests read metrics:* as workers
 
     def start_worker(name: str, module: str, *flags: str) -> Proc:
         port = free_port()
         metrics[name] = f"http://{cfg.host}:{port}/metrics"
+        scrape.setdefault(name.split("-")[0], []).append(f"{cfg.host}:{port}")
         cpus, pin = placement[name]
         argv = py(module, *common, "--worker-id", name, *flags, *pin, "--metrics-port", str(port))
         return stack.start(Proc(name, argv, cpus))
@@ -242,6 +259,19 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
     gateway = stack.start(Proc("gateway", py("services.gateway", *gw), control))
     stack.wait_ready([gateway])
     _wait_placeable(gateway.address)
+    scrape["gateway"] = [gateway.address]
+    more = {
+        "scheduler-metrics": f"http://{cfg.host}:{sched_metrics}/metrics",
+        "gateway-metrics": f"http://{gateway.address}/metrics",
+    }
+    if cfg.prometheus:
+        config = workdir / "prometheus.yml"
+        config.write_text(scrape_config(scrape))
+        address = f"{cfg.host}:{cfg.prometheus_port or free_port()}"
+        stack.wait_ready(
+            [stack.start(prometheus_proc(config, address, workdir), ready_line=READY_LINE)]
+        )
+        more |= {"prometheus": f"http://{address}", "prometheus-config": str(config)}
     return {
         "http": f"http://{gateway.address}/v1",
         "grpc": _field(gateway.ready_text, "grpc") or f"{cfg.host}:{cfg.grpc_port}",
@@ -250,6 +280,7 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
         "logs": str(stack.log_dir),
         **{f"metrics:{k}": v for k, v in metrics.items()},
         **{f"memory:{k}": v for k, v in memory.items() if v},
+        **more,
     }
 
 

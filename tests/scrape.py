@@ -5,6 +5,12 @@ from __future__ import annotations
 import re
 import urllib.request
 
+# What Prometheus 2.x asks a target for: OpenMetrics first, the classic text format after.
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+
 
 def metric(url: str, name: str, labels: str = "") -> float:
     """The sum of ``name``'s samples at ``url`` whose label set contains ``labels`` (e.g.

@@ -93,11 +93,14 @@ def run(
 
 
 def start_metrics(port: int, host: str, registry: CollectorRegistry | None = None) -> None:
-    """Prometheus ``/metrics`` on its own HTTP port, on a daemon thread (0: none)."""
-    from prometheus_client import REGISTRY, start_http_server
+    """Prometheus ``/metrics`` (text format) on its own HTTP port, on a daemon thread (0:
+    none); ``registry`` defaults to prometheus_client's global one."""
+    from prometheus_client import REGISTRY
+
+    from services.common.metrics_http import serve_metrics
 
     if port:
-        start_http_server(port, addr=host, registry=REGISTRY if registry is None else registry)
+        serve_metrics(host, port, REGISTRY if registry is None else registry)
 
 
 def reachable(host: str, advertise_host: str | None = None) -> str:

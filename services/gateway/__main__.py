@@ -91,6 +91,7 @@ async def serve(cfg: GatewayConfig) -> None:
     from services.gateway.cluster_backend import ClusterBackend
     from services.gateway.grpc_server import grpc_server
     from services.gateway.http_server import HttpServer, create_app
+    from services.gateway.metrics import GatewayMetrics, LatencySlo
     from services.gateway.openai_api import Limits
     from services.gateway.service import GatewayService
 
@@ -100,6 +101,7 @@ async def serve(cfg: GatewayConfig) -> None:
     service = GatewayService(
         backend,
         [model],
+        metrics=GatewayMetrics(model.name, LatencySlo.from_ms(cfg.slo_ttft_ms, cfg.slo_itl_ms)),
         limits=Limits(cfg.default_max_tokens, cfg.default_chat_max_tokens),
         api_keys=cfg.api_keys,
     )

@@ -53,6 +53,13 @@ class GatewayConfig:
         "cluster: times one request is placed again after its decode stream broke or its "
         "prefill failed (the new decode worker resumes after the tokens already sent; 0: never)",
     )
+    slo_ttft_ms: float | None = setting(
+        None, "goodput metric: a good request's first token within this (default: not checked)"
+    )
+    slo_itl_ms: float | None = setting(
+        None,
+        "goodput metric: a good request's every inter-token gap within this (default: not checked)",
+    )
     log_level: str = setting("info", "log level", parse=log_level, choices=LOG_LEVELS)
     # How the cluster backend's calls to the scheduler and decode workers authenticate.
     cluster: ClusterAuthArgs = field(default_factory=ClusterAuthArgs)
@@ -81,6 +88,10 @@ class GatewayConfig:
             raise ValueError(f"max_migrations={self.max_migrations} must be >= 0")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s} must be >= 0")
+        for name in ("slo_ttft_ms", "slo_itl_ms"):
+            bound = getattr(self, name)
+            if bound is not None and not bound > 0:
+                raise ValueError(f"{name}={bound} must be > 0")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must not be blank")
         if any(not k for k in self.api_keys):

@@ -12,6 +12,7 @@ registry so several gateways (tests) can live in one interpreter.
 - ``pdserve:e2e_request_latency_seconds``: request received -> last chunk.
 - ``pdserve:num_requests_running``: generations streaming now.
 - ``pdserve:migrations_total{cause}``: requests placed again after a broken stream (cluster).
+- ``pdserve:request_goodput_total``: requests that met the latency SLO (``LatencySlo``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -39,13 +41,38 @@ _E2E_BUCKETS = (
 )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class LatencySlo:
+    """The bounds a request must meet to count as good (``pdserve bench``'s goodput rule).
+
+    Good: it finished by ``stop`` or ``length``, its TTFT <= ``ttft_s`` and every one of its
+    inter-token gaps <= ``itl_s`` (one stall is enough to break it). A bound left None is not
+    checked, so with neither set every request that finished so counts.
+    """
+
+    ttft_s: float | None = None
+    itl_s: float | None = None
+
+    @classmethod
+    def from_ms(cls, ttft_ms: float | None, itl_ms: float | None) -> LatencySlo:
+        return cls(*(None if ms is None else ms / 1000 for ms in (ttft_ms, itl_ms)))
+
+    def met(self, finish_reason: str, ttft_s: float | None, max_itl_s: float) -> bool:
+        if finish_reason not in ("stop", "length"):
+            return False
+        if self.ttft_s is not None and (ttft_s is None or ttft_s > self.ttft_s):
+            return False
+        return self.itl_s is None or max_itl_s <= self.itl_s
+
+
 class GatewayMetrics:
     """The metric objects, and ``track`` to measure one generation stream."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, slo: LatencySlo = LatencySlo()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.model_name = model_name
+        self.slo = slo
         self.requests = Counter(
             "pdserve:requests", "Finished gateway calls.", ["endpoint", "status"], registry=r
         )
@@ -85,6 +112,21 @@ class GatewayMetrics:
         self.running = Gauge(
             "pdserve:num_requests_running", "Generations streaming now.", ["model_name"], registry=r
         )
+        # Counted per request here because the histograms cannot say it: a request is good
+        # only if TTFT and *all* its gaps meet the SLO, a joint condition buckets lose.
+        self.goodput = Counter(
+            "pdserve:request_goodput",
+            "Requests that finished (stop or length) with TTFT and every inter-token gap "
+            "within the gateway's --slo-ttft-ms and --slo-itl-ms (a bound not set is not "
+            "checked).",
+            ["model_name"],
+            registry=r,
+        )
+        # Exported at 0 from the start: a series born at its first increment hides that
+        # increment from rate(), which would put goodput above the finished requests.
+        self.goodput.labels(model_name)
+        for reason in ("stop", "length"):
+            self.request_success.labels(model_name, reason)
 
         self.migrations = Counter(
             "pdserve:migrations",
@@ -116,6 +158,8 @@ class GatewayMetrics:
         running = self.running.labels(model_name)
         running.inc()
         last: float | None = None
+        ttft: float | None = None
+        max_gap = 0.0
         try:
             async with aclosing(stream):  # type: ignore[type-var]
                 async for chunk in stream:
@@ -123,16 +167,20 @@ class GatewayMetrics:
                     n = len(chunk.token_ids)
                     if n:
                         if last is None:
-                            self.ttft.labels(model_name).observe(now - received_at)
+                            ttft = now - received_at
+                            self.ttft.labels(model_name).observe(ttft)
                         else:
                             # A chunk may carry several tokens: spread the gap over them.
                             gap = (now - last) / n
+                            max_gap = max(max_gap, gap)
                             for _ in range(n):
                                 self.itl.labels(model_name).observe(gap)
                         last = now
                     if chunk.finish_reason is not None:
                         # Recorded before yielding: consumers stop at the last chunk.
                         self._finished(chunk, now - received_at, model_name)
+                        if self.slo.met(chunk.finish_reason, ttft, max_gap):
+                            self.goodput.labels(model_name).inc()
                     yield chunk
         finally:
             running.dec()
