@@ -46,5 +46,5 @@ base_image "$REDIS_BASE" "$REDIS_PACKAGES" '["redis-server"]'
 [[ "${1:-}" == "--base" ]] && exit 0
 
 $PY compose/wheelhouse.py compose/.wheelhouse "$PYTHON_BASE"
-docker build --quiet -f compose/Dockerfile --build-arg BASE_IMAGE="$PYTHON_BASE" -t pdserve:dev . >/dev/null
+docker build --quiet --force-rm -f compose/Dockerfile --build-arg BASE_IMAGE="$PYTHON_BASE" -t pdserve:dev . >/dev/null
 echo "build: pdserve:dev ($(docker image inspect -f '{{.Size}}' pdserve:dev | awk '{printf "%.0f MB", $1/1e6}'))"

@@ -7,14 +7,18 @@ cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
 
-# Redis holds the shared state of the disaggregated stack (and the tests start real ones).
-if ! command -v redis-server >/dev/null 2>&1; then
+# Redis holds the shared state of the disaggregated stack (and the tests start real ones);
+# the tests also run a real Prometheus against the services' /metrics.
+apt_packages=()
+command -v redis-server >/dev/null 2>&1 || apt_packages+=(redis-server)
+[[ "${1:-}" == "--test" ]] && ! command -v prometheus >/dev/null 2>&1 && apt_packages+=(prometheus)
+if ((${#apt_packages[@]})); then
   if [[ $(id -u) -eq 0 ]]; then
-    (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apt_packages[@]}") >/dev/null
   elif command -v sudo >/dev/null 2>&1; then
-    (sudo apt-get update -qq && sudo apt-get install -y -qq redis-server) >/dev/null
+    (sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive sudo apt-get install -y -qq "${apt_packages[@]}") >/dev/null
   else
-    echo "setup: redis-server is missing; install it (Debian/Ubuntu: apt-get install redis-server)" >&2
+    echo "setup: ${apt_packages[*]} missing; install them (Debian/Ubuntu: apt-get install ${apt_packages[*]})" >&2
     exit 1
   fi
 fi

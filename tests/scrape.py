@@ -15,12 +15,21 @@ PROMETHEUS_ACCEPT = (
 def metric(url: str, name: str, labels: str = "") -> float:
     """The sum of ``name``'s samples at ``url`` whose label set contains ``labels`` (e.g.
     ``'cause="decode_lost"'``); fails the test if no such series is exported."""
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return metric_in(urllib.request.urlopen(url, timeout=5).read().decode(), name, labels, url)
+
+
+def metric_in(
+    text: str, name: str, labels: str = "", where: str = "the scrape", absent: float | None = None
+) -> float:
+    """``metric`` over an exposition already read (e.g. through ``docker exec``). A labelled
+    series appears at its first increment: ``absent`` is its value until then (None: fail)."""
     total, found = 0.0, False
     for line in text.splitlines():
         m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)$", line)
         if m and labels in (m.group(1) or ""):
             total += float(m.group(2))
             found = True
-    assert found, f"{name}{{{labels}}} not exported at {url}"
+    if not found and absent is not None:
+        return absent
+    assert found, f"{name}{{{labels}}} not exported at {where}"
     return total

@@ -4,9 +4,10 @@
 and cross-checks what the services are told about each other: scheduler and Redis
 addresses, ports, healthcheck ports, KV transports, replicas, drain times, and the engine
 settings (the ``EngineArgs`` defaults but for ``COMPOSE_ENGINE``).
-``check_dockerfile`` holds the image's install step to ``scripts/setup.sh``, the README's
-install. Both return a list of problems; the mutation tests show each check can fail. The
-probe tests run the real healthcheck commands and the advertise-host wrapper.
+``check_dockerfile`` holds the image to an offline build (local base, wheelhouse only). Both
+return a list of problems; the mutation tests show each check can fail. The probe tests run
+the real healthcheck commands and the advertise-host wrapper; ``test_live_stack.py`` runs the
+whole stack in Docker.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import http.server
+import itertools
 import json
 import re
 import shlex
@@ -50,8 +52,10 @@ ADVERTISE_ENTRYPOINT = [
     "advertise-hostname",
 ]
 CONTAINER_HOSTNAME = "0123456789ab"  # what Docker puts in HOSTNAME: the short container id
-SETUP = "bash scripts/setup.sh"
-INSTALL_TOOLS = re.compile(r"\b(pip|pip3|apt-get|apt|conda|uv|poetry)\b")
+BUILD_SCRIPT = COMPOSE_DIR / "build.sh"
+WHEELHOUSE = "compose/.wheelhouse"
+REDIS_IMAGE = re.search(r"^REDIS_BASE=(\S+)$", BUILD_SCRIPT.read_text(), re.M).group(1)  # type: ignore[union-attr]
+NETWORK_TOOLS = re.compile(r"\b(apt-get|apt|curl|wget|git|conda|uv|poetry)\b|--index-url|https?://")
 
 # What compose sets on purpose beyond the shared engine defaults: one torch thread per
 # worker container, whatever the host's cores (compose/README.md).
@@ -123,7 +127,9 @@ def published_ports(name: str, svc: dict[str, Any]) -> dict[int, int]:
         if isinstance(p, dict):
             host, container = p.get("published"), p.get("target")
         else:
-            parts = str(p).split("/")[0].split(":")
+            # `${VAR:-default}` is what compose publishes when VAR is unset.
+            spec = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", str(p))
+            parts = spec.split("/")[0].split(":")
             if len(parts) < 2:
                 raise Problem(f"{name}: port {p!r} leaves the host port to chance")
             host, container = parts[-2], parts[-1]
@@ -156,7 +162,7 @@ def check_compose(compose: dict[str, Any]) -> list[str]:
     parsed: dict[str, tuple[str, Any]] = {}  # module -> (service name, parsed flags)
     pdserve_images = set()
 
-    redis = [n for n, s in services.items() if str(s.get("image", "")).startswith("redis:")]
+    redis = [n for n, s in services.items() if s.get("image") == REDIS_IMAGE]
     if len(redis) != 1:
         problems.append(f"need exactly one redis service, got {redis}")
 
@@ -216,6 +222,15 @@ def _check_scheduler(
     redis_port = 6379  # the redis image's default, unless its command says otherwise
     if "--port" in redis_argv:
         redis_port = int(redis_argv[redis_argv.index("--port") + 1])
+    # Debian's redis-server without a config file is in protected mode: no password, so it
+    # refuses every client that is not on its loopback.
+    flags = list(itertools.pairwise(redis_argv))
+    if ("--protected-mode", "no") not in flags:
+        problems.append(f"{redis_name}: protected mode refuses the other containers")
+    if ("--dir", "/data") not in flags or not any(
+        str(v).endswith(":/data") for v in services.get(redis_name, {}).get("volumes") or []
+    ):
+        problems.append(f"{redis_name}: the append-only file must live in a volume at /data")
     if sched.grpc_host not in ALL_INTERFACES:
         problems.append(f"{name}: binds {sched.grpc_host}; other containers cannot reach it")
     url = urlparse(sched.redis_url)
@@ -333,36 +348,51 @@ def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
 
 
 def check_dockerfile(text: str) -> list[str]:
-    """Every way the Dockerfile's install departs from ``scripts/setup.sh``; empty if none."""
+    """Every way the Dockerfile departs from an offline build of pdserve; empty if none.
+
+    Offline: every stage starts from the locally made base (``compose/build.sh``), nothing
+    runs apt or fetches, and pip installs only from the wheelhouse (``PIP_NO_INDEX``). The
+    packages ``pip install .`` needs are copied to their repository paths before it runs,
+    and the CPU kernels are compiled into the image.
+    """
     problems: list[str] = []
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     steps = dockerfile_instructions(text)
 
-    bases = [args for op, args in steps if op == "FROM"]
-    minimum = re.search(r">=\s*(\d+)\.(\d+)", pyproject["project"]["requires-python"])
-    base = re.fullmatch(r"python:(\d+)\.(\d+)(-slim)?", bases[0] if len(bases) == 1 else "")
-    if not base or not minimum or base.groups()[:2] != minimum.groups():
-        problems.append(f"base image must be python:<requires-python>[-slim], got {bases}")
+    base_tag = re.search(r"^PYTHON_BASE=(\S+)$", BUILD_SCRIPT.read_text(), re.M)
+    args = dict(a.partition("=")[::2] for op, a in steps if op == "ARG")
+    if not base_tag or args.get("BASE_IMAGE") != base_tag.group(1):
+        problems.append(f"ARG BASE_IMAGE must default to build.sh's PYTHON_BASE, got {args}")
+    bases = [a.split()[0] for op, a in steps if op == "FROM"]
+    if not bases or any(b != "${BASE_IMAGE}" for b in bases):
+        problems.append(f"every stage must start FROM ${{BASE_IMAGE}} (made locally): {bases}")
+    if not any(op == "ENV" and "PIP_NO_INDEX=1" in a for op, a in steps):
+        problems.append("pip may reach an index: ENV PIP_NO_INDEX=1 is missing")
+    runs = [a for op, a in steps if op == "RUN"]
+    for cmd in runs:
+        if NETWORK_TOOLS.search(cmd):
+            problems.append(f"a build step that needs the network: RUN {cmd}")
+    install = [i for i, (op, a) in enumerate(steps) if op == "RUN" and "pip install" in a
+               and re.search(r"install[^&]*\s\.(\s|$)", a)]  # fmt: skip
+    if len(install) != 1:
+        problems.append(f"pdserve must be installed once with `pip install ... .`: {runs}")
+    if not any("python -m kernels.build" in cmd for cmd in runs):
+        problems.append("the CPU kernels are not compiled into the image (python -m kernels.build)")
+    final = steps[max(i for i, (op, _) in enumerate(steps) if op == "FROM") :]
+    if not any(op == "COPY" and "--from=" in a and "/opt/venv" in a for op, a in final):
+        problems.append("the final stage does not take the environment (/opt/venv) from build")
 
-    runs = [(i, re.sub(r"--\w+=\S+\s*", "", args)) for i, (op, args) in enumerate(steps)
-            if op == "RUN"]  # fmt: skip
-    setup = [i for i, cmd in runs if cmd == SETUP]
-    if len(setup) != 1:
-        problems.append(f"the install step must be exactly `RUN {SETUP}` once: {runs}")
-    for _, cmd in runs:
-        if cmd != SETUP and INSTALL_TOOLS.search(cmd):
-            problems.append(f"install step of its own, not scripts/setup.sh: RUN {cmd}")
-
-    # setup.sh runs `pip install -e .` from the repository root: everything that needs must
-    # land at its own path under WORKDIR before it runs.
+    # `pip install .` runs in WORKDIR: everything it needs must land at its own path there.
     landed: set[str] = set()
-    for op, args in steps[: setup[0]] if setup else steps:
+    for op, args_ in steps[: install[0]] if install else steps:
         if op not in ("COPY", "ADD"):
             continue
-        words = [w for w in shlex.split(args) if not w.startswith("--")]
+        words = [w for w in shlex.split(args_) if not w.startswith("--")]
         *sources, dest = words
         for src in sources:
             src_path = src.rstrip("/") or "."
+            if src_path == WHEELHOUSE:
+                continue
             if (ROOT / src_path).is_dir():
                 landing = dest.rstrip("/") or "."
             elif dest.endswith("/") or dest in (".", "./") or len(sources) > 1:
@@ -374,14 +404,14 @@ def check_dockerfile(text: str) -> list[str]:
                 landed.add(src_path)
             else:
                 problems.append(f"COPY {src} lands at {landing}, not at its repository path")
-    needed = ["scripts/setup.sh", "pyproject.toml", pyproject["project"]["readme"]]
+    needed = ["pyproject.toml", pyproject["project"]["readme"]]
     for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]:
         top = pattern.rstrip("*")
         if (ROOT / top / "__init__.py").is_file():
             needed.append(top)
     for path in needed:
         if not any(c == "." or path == c or path.startswith(c + "/") for c in landed):
-            problems.append(f"{path} is not copied into the image before {SETUP}")
+            problems.append(f"{path} is not copied into the image before `pip install .`")
     return problems
 
 
@@ -408,14 +438,11 @@ def test_compose_parses_into_the_expected_stack(compose: dict[str, Any]) -> None
     assert (decode.engine.threads, decode.engine.kv_cache_mib) == (1, 512)
     _, gw = parse_service("gateway", effective_argv("gateway", svc["gateway"]))
     assert (gw.http_port, gw.grpc_port, gw.backend) == (8000, 50051, "cluster")
-    assert svc["prefill"]["deploy"]["replicas"] == 1 and svc["decode"]["deploy"]["replicas"] == 1
+    assert svc["prefill"]["deploy"]["replicas"] == 2 and svc["decode"]["deploy"]["replicas"] == 2
 
 
-def test_dockerfile_installs_with_setup_sh() -> None:
+def test_dockerfile_builds_offline() -> None:
     assert check_dockerfile(DOCKERFILE.read_text()) == []
-    # setup.sh is the README's install: both README commands go through it.
-    for script in ("run.sh", "test.sh"):
-        assert SETUP in (ROOT / "scripts" / script).read_text()
 
 
 def test_readme_scale_command_names_real_services(compose: dict[str, Any]) -> None:
@@ -474,6 +501,9 @@ MUTATIONS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "scheduler binds loopback": (_m("scheduler", "--grpc-host", "127.0.0.1"), "binds 127.0.0.1"),
     "redis listens elsewhere": (
         _put("redis", "command", ["redis-server", "--port", "6380"]), "is not redis:6380"),
+    "redis protected": (
+        _put("redis", "command", ["redis-server", "--dir", "/data"]), "protected mode"),
+    "redis without volume": (_put("redis", "volumes", []), "volume at /data"),
     "scheduler before redis": (_put("scheduler", "depends_on", None), "wait for redis"),
     "two schedulers": (
         lambda c: c["services"].update(s2=copy.deepcopy(c["services"]["scheduler"])),
@@ -519,7 +549,7 @@ MUTATIONS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "other dockerfile": (
         _put("gateway", "build", {"context": "..", "dockerfile": "Dockerfile"}), "gateway: must"),
     "missing service": (lambda c: c["services"].pop("prefill"), "no service runs"),
-    "two redis": (lambda c: c["services"].update(cache={"image": "redis:7"}), "exactly one"),
+    "two redis": (lambda c: c["services"].update(cache={"image": REDIS_IMAGE}), "exactly one"),
     "a worker left dead": (_put("decode", "restart", None), "decode: restart policy 'no'"),
     "redis left dead": (_put("redis", "restart", "no"), "redis: restart policy 'no'"),
 }  # fmt: skip
@@ -535,22 +565,26 @@ def test_check_compose_catches(compose: dict[str, Any], name: str) -> None:
 
 
 DOCKERFILE_MUTATIONS: dict[str, tuple[Callable[[str], str], str]] = {
-    "own pip lines": (
-        lambda t: t.replace(SETUP, "pip install torch==2.13.0 && pip install -e ."),
-        "exactly `RUN bash scripts/setup.sh`"),
-    "extra pip step": (lambda t: t + "\nRUN pip install vllm\n", "install step of its own"),
+    "a registry image": (
+        lambda t: t.replace("FROM ${BASE_IMAGE} AS build", "FROM python:3.11-slim AS build"),
+        "made locally"),
+    "another base": (
+        lambda t: t.replace("ARG BASE_IMAGE=pdserve/python:bookworm", "ARG BASE_IMAGE=debian"),
+        "PYTHON_BASE"),
+    "an index": (lambda t: t.replace("PIP_NO_INDEX=1", "PIP_NO_INDEX=0"), "PIP_NO_INDEX"),
     "extra apt step": (
-        lambda t: t + "\nRUN apt-get update && \\\n    apt-get install -y g++\n", "apt-get"),
-    "test extras": (lambda t: t.replace(SETUP, SETUP + " --test"), "exactly"),
+        lambda t: t + "\nRUN apt-get update && \\\n    apt-get install -y g++\n", "network"),
+    "a download": (lambda t: t + "\nRUN pip install https://example.com/x.whl\n", "network"),
+    "no kernels": (lambda t: t.replace(" && cd / && python -m kernels.build", ""), "kernels"),
+    "wheels left behind": (lambda t: t.replace("COPY --from=build /opt/venv", "COPY /opt/venv"),
+                           "/opt/venv"),
     "package not copied": (lambda t: t.replace("COPY kernels/ kernels/\n", ""), "kernels is not"),
-    "setup.sh not copied": (lambda t: t.replace("COPY scripts/ scripts/\n", ""), "scripts/setup"),
     "readme not copied": (lambda t: t.replace("README.md ./", "./"), "README.md is not"),
     "copied to the wrong place": (
         lambda t: t.replace("COPY engine/ engine/", "COPY engine/ ./"), "lands at ."),
-    "copied after setup": (
+    "copied after install": (
         lambda t: t.replace("COPY services/ services/\n", "") + "\nCOPY services/ services/\n",
         "services is not copied"),
-    "other python": (lambda t: t.replace("python:3.11-slim", "python:3.10-slim"), "base image"),
 }  # fmt: skip
 
 
