@@ -25,7 +25,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import cluster_auth, rpc_faults
+from services.common import cluster_auth, keepalive, rpc_faults
 from services.common.fault_args import FaultArgs
 
 if TYPE_CHECKING:
@@ -125,7 +125,8 @@ class GrpcServer:
     ``services`` from ``start`` on, NOT_SERVING for good from ``drain`` on. A message over
     ``max_message_bytes`` gets RESOURCE_EXHAUSTED. ``OSError`` when the port cannot be bound.
     ``auth``: an internal server's cluster auth (the token checked on every call but health
-    and reflection, TLS when it has a certificate); None: the gateway's public server.
+    and reflection, TLS when it has a certificate, and keepalive pings accepted at any rate);
+    None: the gateway's public server.
     """
 
     def __init__(
@@ -145,6 +146,8 @@ class GrpcServer:
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.so_reuseport", 0),  # a port in use fails here, never shared
+                # internal peers ping their calls to notice a silent host
+                *(keepalive.SERVER_OPTIONS if auth is not None else ()),
             ],
         )
         self.health = health.aio.HealthServicer()

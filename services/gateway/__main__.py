@@ -71,7 +71,10 @@ def _build_cluster(cfg: GatewayConfig) -> tuple[ClusterBackend, ServedModel]:
     checkpoint_name = _default_model_name(model)
     assert cfg.scheduler is not None
     backend = ClusterBackend(
-        cfg.scheduler, worker_model=checkpoint_name, max_migrations=cfg.max_migrations
+        cfg.scheduler,
+        worker_model=checkpoint_name,
+        max_migrations=cfg.max_migrations,
+        worker_keepalive_s=cfg.worker_keepalive_s,
     )
     name = cfg.served_model_name or checkpoint_name
     max_len = min(cfg.engine.max_model_len or context, context)

@@ -7,7 +7,8 @@ reserves KV, has the prefill worker fill it, then streams tokens) -> chunks to t
 Closing the iterator cancels the decode call, which frees the KV on both workers.
 
 Migration: when a decode stream breaks (the worker died or went away: UNAVAILABLE and
-kin) or its prefill failed (the decode worker names the prefill worker in the trailing
+kin; a worker gone silent, its host cut off, is found by keepalive pings and breaks the same
+way) or its prefill failed (the decode worker names the prefill worker in the trailing
 metadata), the request is placed again without the worker at fault and the new decode
 worker is sent ``resume_token_ids`` = the tokens the client already has; it continues after
 them, so the client sees one stream, no token twice or missing. At most ``max_migrations``
@@ -30,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.block_hash import hash_blocks
 from engine.errors import InvalidRequestError, ResourceExhaustedError
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.common import cluster_auth
+from services.common import cluster_auth, keepalive
 from services.common.background import Background
 from services.common.convert import finish_from_proto, sampling_to_proto
 from services.common.grpc_errors import FAILED_WORKER_KEY
@@ -140,14 +141,18 @@ class ClusterBackend:
         worker_model: str = "",
         generate_timeout_s: float = 600.0,
         max_migrations: int = 3,
+        worker_keepalive_s: float = 5.0,
     ) -> None:
         """``worker_model``: the model name workers register with (the scheduler matches
         requests to workers by it; the name clients use may be an alias).
-        ``max_migrations``: how many times one request may be placed again."""
+        ``max_migrations``: how many times one request may be placed again.
+        ``worker_keepalive_s``: the keepalive of decode worker connections: a stream whose
+        worker went silent (its host cut off) breaks within about twice this, and moves."""
         self.scheduler_address = scheduler_address
         self.worker_model = worker_model
         self.generate_timeout_s = generate_timeout_s
         self.max_migrations = max_migrations
+        self._worker_channel_options = keepalive.channel_options(worker_keepalive_s)
         # Called with the cause of every migration (the gateway's metrics count them).
         self.on_migration: Callable[[str], None] = lambda cause: None
         self._sched_channel: grpc.aio.Channel | None = None
@@ -181,7 +186,7 @@ class ClusterBackend:
     def _decode_stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
         ch = self._channels.get(address)
         if ch is None:
-            ch = cluster_auth.channel(address)
+            ch = cluster_auth.channel(address, options=self._worker_channel_options)
             self._channels[address] = ch
         return worker_pb2_grpc.DecodeWorkerStub(ch)
 

@@ -60,6 +60,13 @@ class GatewayConfig:
         None,
         "goodput metric: a good request's every inter-token gap within this (default: not checked)",
     )
+    worker_keepalive_s: float = setting(
+        5.0,
+        "cluster: ping each decode worker's connection this often while it streams, and drop "
+        "the connection when a ping goes unanswered as long: a stream on a worker cut off from "
+        "the network moves within about twice this",
+        metavar="SECONDS",
+    )
     log_level: str = setting("info", "log level", parse=log_level, choices=LOG_LEVELS)
     # How the cluster backend's calls to the scheduler and decode workers authenticate.
     cluster: ClusterAuthArgs = field(default_factory=ClusterAuthArgs)
@@ -86,6 +93,8 @@ class GatewayConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations={self.max_migrations} must be >= 0")
+        if not self.worker_keepalive_s > 0:
+            raise ValueError(f"worker_keepalive_s={self.worker_keepalive_s} must be > 0")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s} must be >= 0")
         for name in ("slo_ttft_ms", "slo_itl_ms"):

@@ -397,7 +397,7 @@ class SchedulerState:
             # A lapsed lease is final even if the expiry tick has not run yet: the worker's
             # requests may already be re-placed, so it must register afresh.
             if worker is not None:
-                self._remove(report.worker_id, reason="lease lapsed")
+                self._lapse(report.worker_id)
             raise UnknownWorker(f"unknown worker_id {report.worker_id!r}")
         worker.last_seen = now
         worker.state = report.state
@@ -497,9 +497,7 @@ class SchedulerState:
         ttl = self._config.lease_ttl_s
         dead = [wid for wid, w in self._workers.items() if now - w.last_seen > ttl]
         for worker_id in dead:
-            self._remove(worker_id, reason="lease lapsed")
-            if self._metrics:
-                self._metrics.expired_workers.inc()
+            self._lapse(worker_id)
         horizon = now - self._config.placement_memo_s
         while self._memo:
             _, (placed_at, _) = next(iter(self._memo.items()))
@@ -507,6 +505,13 @@ class SchedulerState:
                 break
             self._memo.popitem(last=False)
         return dead
+
+    def _lapse(self, worker_id: str) -> None:
+        """Drop a worker whose lease lapsed, counted whichever finds it first: the expiry
+        tick or the worker's own late heartbeat."""
+        self._remove(worker_id, reason="lease lapsed")
+        if self._metrics:
+            self._metrics.expired_workers.inc()
 
     def _mirror(self) -> int:
         for worker in self._workers.values():

@@ -46,6 +46,7 @@ def test_flags_override_environment_override_defaults() -> None:
         (["--backend", "cluster"], {}, "backend=cluster needs --scheduler"),
         (["--kv-cache-mib", "0"], {}, "kv_cache_mib must be >= 1"),
         (["--served-model-name", " "], {}, "served_model_name must not be blank"),
+        (["--worker-keepalive-s", "0"], {}, "worker_keepalive_s=0.0 must be > 0"),
     ],
 )
 def test_bad_values_exit_with_usage_error(argv, env, needle, capsys) -> None:

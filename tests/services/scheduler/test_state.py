@@ -138,7 +138,10 @@ async def test_worker_expires_after_its_lease(state: SchedulerState) -> None:
 
 
 async def test_lapsed_heartbeat_is_refused_even_before_the_tick() -> None:
-    s = SchedulerState(_config(tick_s=100.0))
+    from services.scheduler.metrics import SchedulerMetrics
+
+    metrics = SchedulerMetrics()
+    s = SchedulerState(_config(tick_s=100.0), metrics=metrics)
     s.start()
     try:
         await _join(s, "d1", Role.DECODE)
@@ -150,6 +153,8 @@ async def test_lapsed_heartbeat_is_refused_even_before_the_tick() -> None:
         with pytest.raises(UnknownWorker):
             await s.heartbeat(_beat("d1", 1))
         assert (await s.inspect()).workers == ()
+        # dropped by its heartbeat, not the tick: a lapse all the same
+        assert metrics.registry.get_sample_value("pdserve_scheduler_expired_workers_total") == 1
     finally:
         await s.stop()
 
