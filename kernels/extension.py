@@ -6,12 +6,20 @@ part of the module name: a cached build never runs on a CPU without its ISA (an 
 on one machine and run on another), and two checkouts of different sources keep a build
 each instead of rebuilding in turn. A kernel that cannot be built (no compiler, no ninja,
 no headers) is reported once and its callers keep their torch path.
+
+Builders of one module take turns under an OS lock (``build_lock``), which dies with its
+holder: torch's own lock file outlives a builder killed mid-compile, and every later start
+would wait on it forever.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -20,6 +28,7 @@ import structlog
 log = structlog.get_logger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
+BUILD_LOCK_TIMEOUT_S = 900.0  # a cold build of the largest kernel takes minutes on 2 cores
 
 
 class Extension:
@@ -40,21 +49,22 @@ class Extension:
             if self._module is not None or self._failed:
                 return self._module
             try:
-                from torch.utils.cpp_extension import load
+                from torch.utils.cpp_extension import _get_build_directory, load
 
                 isa, flags = isa_flags()
-                digest = source_digest(self.source)
-                self._module = load(
-                    name=f"pdserve_{self.stem}_{isa}_{digest}",
-                    sources=[str(self.source)],
-                    extra_include_paths=[str(CSRC)],
-                    # -fopenmp: at::parallel_for runs on torch's intra-op threads (without it
-                    # the header falls back to one thread). It links libgomp.so.1 by soname:
-                    # the copy torch loaded, so there is one OpenMP runtime in the process.
-                    extra_cflags=["-O3", "-fopenmp", *flags, *self.extra_cflags],
-                    extra_ldflags=["-fopenmp"],
-                    verbose=False,
-                )
+                name = f"pdserve_{self.stem}_{isa}_{source_digest(self.source)}"
+                with build_lock(Path(_get_build_directory(name, verbose=False))):
+                    self._module = load(
+                        name=name,
+                        sources=[str(self.source)],
+                        extra_include_paths=[str(CSRC)],
+                        # -fopenmp: at::parallel_for runs on torch's intra-op threads (without
+                        # it the header falls back to one thread). It links libgomp.so.1 by
+                        # soname: the copy torch loaded, so one OpenMP runtime per process.
+                        extra_cflags=["-O3", "-fopenmp", *flags, *self.extra_cflags],
+                        extra_ldflags=["-fopenmp"],
+                        verbose=False,
+                    )
             except Exception as e:  # no compiler, no ninja, no headers: keep the reference
                 self._failed = True
                 log.warning("cpu_kernel_unavailable", kernel=self.stem, error=str(e))
@@ -85,3 +95,31 @@ def isa_flags() -> tuple[str, list[str]]:
     if "avx2" in flags and "fma" in flags and "f16c" in flags:
         return "avx2", ["-mavx2", "-mfma", "-mf16c"]
     return "generic", []
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path, timeout_s: float = BUILD_LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Hold ``build_dir``'s lock (``flock``: released when its holder dies, however it dies).
+
+    Every builder of the module holds it around torch's ``load``, so a torch lock file found
+    while holding it was left by a builder killed mid-compile, and is removed. Raises
+    ``TimeoutError`` when another process holds it for ``timeout_s``.
+    """
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "pdserve.lock", "a") as f:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"another process has been building {build_dir} for {timeout_s:.0f} s"
+                    ) from None
+                time.sleep(0.2)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
