@@ -22,6 +22,8 @@ PYTHON_BASE=pdserve/python:bookworm
 PYTHON_PACKAGES=python3,python3-venv,python3-dev,g++,ca-certificates
 REDIS_BASE=pdserve/redis:bookworm
 REDIS_PACKAGES=redis-server
+PROMETHEUS_BASE=pdserve/prometheus:bookworm  # the compose profile `monitoring`
+PROMETHEUS_PACKAGES=prometheus
 
 # base_image TAG PACKAGES CMD: make TAG from Debian's packages unless it already exists with
 # the same recipe.
@@ -43,6 +45,7 @@ base_image() {
 
 base_image "$PYTHON_BASE" "$PYTHON_PACKAGES" '["python3"]'
 base_image "$REDIS_BASE" "$REDIS_PACKAGES" '["redis-server"]'
+base_image "$PROMETHEUS_BASE" "$PROMETHEUS_PACKAGES" '["prometheus"]'
 [[ "${1:-}" == "--base" ]] && exit 0
 
 $PY compose/wheelhouse.py compose/.wheelhouse "$PYTHON_BASE"

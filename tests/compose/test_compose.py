@@ -54,6 +54,8 @@ ADVERTISE_ENTRYPOINT = [
 CONTAINER_HOSTNAME = "0123456789ab"  # what Docker puts in HOSTNAME: the short container id
 BUILD_SCRIPT = COMPOSE_DIR / "build.sh"
 WHEELHOUSE = "compose/.wheelhouse"
+PROMETHEUS_IMAGE = re.search(r"^PROMETHEUS_BASE=(\S+)", BUILD_SCRIPT.read_text(), re.M).group(1)  # type: ignore[union-attr]
+PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 REDIS_IMAGE = re.search(r"^REDIS_BASE=(\S+)$", BUILD_SCRIPT.read_text(), re.M).group(1)  # type: ignore[union-attr]
 NETWORK_TOOLS = re.compile(r"\b(apt-get|apt|curl|wget|git|conda|uv|poetry)\b|--index-url|https?://")
 
@@ -169,6 +171,9 @@ def check_compose(compose: dict[str, Any]) -> list[str]:
     for name, svc in services.items():
         if name in redis:
             continue
+        if svc.get("image") == PROMETHEUS_IMAGE:
+            problems += _check_prometheus(name, svc)
+            continue
         try:
             module, cfg = parse_service(name, effective_argv(name, svc))
         except Problem as e:
@@ -212,6 +217,21 @@ def check_compose(compose: dict[str, Any]) -> list[str]:
         if module != "services.scheduler" and cfg.engine != want:
             problems.append(f"{name}: engine settings {cfg.engine} are not {want}")
     return problems
+
+
+def _check_prometheus(name: str, svc: dict[str, Any]) -> list[str]:
+    """The monitoring profile's Prometheus reads deploy/prometheus/prometheus.yml."""
+    argv = as_argv(svc.get("command"), f"{name}.command")
+    config = [a.split("=", 1)[1] for a in argv if a.startswith("--config.file=")]
+    mounts = {}
+    for v in svc.get("volumes") or []:
+        src, _, dest = str(v).partition(":")
+        mounts[dest.split(":")[0]] = (COMPOSE_DIR / src).resolve()
+    if len(config) != 1 or mounts.get(config[0]) != PROMETHEUS_CONFIG:
+        return [f"{name}: --config.file {config} is not deploy/prometheus/prometheus.yml"]
+    if not svc.get("profiles"):
+        return [f"{name}: runs without a profile; monitoring is opt-in"]
+    return []
 
 
 def _check_scheduler(
@@ -503,6 +523,10 @@ MUTATIONS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "redis protected": (
         _put("redis", "command", ["redis-server", "--dir", "/data"]), "protected mode"),
     "redis without volume": (_put("redis", "volumes", []), "volume at /data"),
+    "prometheus elsewhere": (
+        _put("prometheus", "volumes", ["../deploy/x.yml:/etc/pdserve/prometheus.yml:ro"]),
+        "--config.file"),
+    "prometheus always on": (_put("prometheus", "profiles", None), "opt-in"),
     "scheduler before redis": (_put("scheduler", "depends_on", None), "wait for redis"),
     "two schedulers": (
         lambda c: c["services"].update(s2=copy.deepcopy(c["services"]["scheduler"])),

@@ -3,21 +3,27 @@
 Marked ``compose``: ``bash compose/test.sh`` installs and starts a Docker engine, then runs
 these with ``pytest -m compose``; the default run leaves them out (they need the engine and
 about ten minutes). The tests share one stack and run in file order: 2 prefill + 2 decode
-serve the OpenAI SDK, decode scales to 3 and the new replica takes requests, one decode
-container crashes mid-stream and the stream completes while Docker restarts it. The fixture
-ends with ``down -v`` and fails if any container, network or volume of the project is left.
+serve the OpenAI SDK, the ``monitoring`` profile's Prometheus scrapes every service, decode
+scales to 3 and the new replica takes requests, one decode container crashes mid-stream and
+the stream completes while Docker restarts it. The fixture ends with ``down -v`` and fails
+if any container, network or volume of the project is left.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import time
+import urllib.parse
+import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -57,11 +63,12 @@ class Stack:
     compose: list[str]
     env: dict[str, str]
     http_port: int
+    prometheus_port: int
 
     def __call__(self, *args: str, timeout: float = 300.0) -> str:
-        return run(
-            [*self.compose, "-p", PROJECT, "-f", str(COMPOSE_FILE), *args], timeout, self.env
-        )
+        """A compose command on this project, the ``monitoring`` profile (Prometheus) on."""
+        base = [*self.compose, "--profile", "monitoring", "-p", PROJECT, "-f", str(COMPOSE_FILE)]
+        return run([*base, *args], timeout, self.env)
 
     def containers(self, service: str) -> list[str]:
         """Ids of the service's containers, running or not."""
@@ -118,12 +125,13 @@ def stack() -> Iterator[Stack]:
     if info.returncode != 0:
         pytest.fail(f"no Docker engine answers (bash compose/test.sh starts one): {info.stderr}")
     run(["bash", str(ROOT / "compose" / "build.sh")], timeout=1800)
-    http_port = free_port()
-    env = {**os.environ, "PDSERVE_HTTP_PORT": str(http_port), "PDSERVE_GRPC_PORT": str(free_port())}
-    stack = Stack(compose_command(), env, http_port)
+    ports = {name: free_port() for name in ("HTTP", "GRPC", "PROMETHEUS")}
+    env = {**os.environ, **{f"PDSERVE_{name}_PORT": str(p) for name, p in ports.items()}}
+    stack = Stack(compose_command(), env, ports["HTTP"], ports["PROMETHEUS"])
     try:
         stack("up", "-d", "--scale", "prefill=2", "--scale", "decode=2")
-        stack.wait_healthy({"redis": 1, "scheduler": 1, "prefill": 2, "decode": 2, "gateway": 1})
+        stack.wait_healthy({"redis": 1, "scheduler": 1, "prefill": 2, "decode": 2, "gateway": 1,
+                            "prometheus": 1})  # fmt: skip
         yield stack
     finally:
         stack("down", "-v", "--remove-orphans", "--timeout", "60", timeout=600)
@@ -150,6 +158,33 @@ def test_the_openai_sdk_is_served_through_the_published_port(stack: Stack) -> No
     )  # fmt: skip
     text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
     assert text == ask(stack.client())
+
+
+def prometheus_get(stack: Stack, path: str, **params: str) -> Any:
+    url = f"http://127.0.0.1:{stack.prometheus_port}{path}?{urllib.parse.urlencode(params)}"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return json.load(reply)["data"]
+
+
+def test_prometheus_scrapes_every_service_and_replica(stack: Stack) -> None:
+    """The monitoring profile's Prometheus, with deploy/prometheus/prometheus.yml, finds both
+    replicas of each worker role by DNS and stores the metric names the dashboard reads."""
+    want = {"gateway": 1, "scheduler": 1, "prefill": 2, "decode": 2}
+    deadline = time.monotonic() + 120  # DNS refresh 15 s, scrape interval 5 s
+    while True:
+        targets = prometheus_get(stack, "/api/v1/targets")["activeTargets"]
+        up = Counter(t["labels"]["job"] for t in targets if t["health"] == "up")
+        if up == want:
+            break
+        assert time.monotonic() < deadline, f"targets up {dict(up)}, want {want}: {targets}"
+        time.sleep(3)
+    ask(stack.client())
+    query = 'sum(pdserve:request_success_total{role="decode"})'
+    deadline = time.monotonic() + 60
+    while not (result := prometheus_get(stack, "/api/v1/query", query=query)["result"]):
+        assert time.monotonic() < deadline, f"{query} has no samples"
+        time.sleep(3)
+    assert float(result[0]["value"][1]) >= 1
 
 
 def test_a_new_decode_replica_takes_requests(stack: Stack) -> None:
