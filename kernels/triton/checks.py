@@ -81,4 +81,5 @@ def check_index_range(name: str, t: torch.Tensor, low: int, high: int) -> None:
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether triton runs kernels in its interpreter (parsed as triton's C++ getenv_bool)."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on")

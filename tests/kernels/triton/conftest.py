@@ -15,9 +15,7 @@ import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-
-def interpreting() -> bool:
-    return os.environ["TRITON_INTERPRET"] not in ("", "0")
+from kernels.triton.checks import interpreting
 
 
 @pytest.fixture
