@@ -41,3 +41,11 @@ def shuffled_tables(
 
 def blocks_needed(lens: list[int], block_size: int) -> int:
     return sum(-(-n // block_size) for n in lens)
+
+
+def on(device: torch.device, args: dict[str, object]) -> dict[str, object]:
+    """``args`` with its CPU tensors moved to ``device`` (others, like a meta tensor, stay)."""
+    return {
+        name: t.to(device) if isinstance(t, torch.Tensor) and t.device.type == "cpu" else t
+        for name, t in args.items()
+    }

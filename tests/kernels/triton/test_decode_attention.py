@@ -13,7 +13,7 @@ from kernels.triton.decode_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
 )
-from tests.kernels.triton.cases import TOLERANCE, blocks_needed, pools, shuffled_tables
+from tests.kernels.triton.cases import TOLERANCE, blocks_needed, on, pools, shuffled_tables
 
 
 def _run(device, dtype, block_size, kv_heads, ratio, dim, lens, index_dtype, seed=0):
@@ -131,9 +131,9 @@ def _good():
         (lambda a: {**a, "q": a["q"].to("meta")}, "inputs must share one device: q on meta"),
     ],
 )
-def test_launcher_refuses(mutate, match) -> None:
+def test_launcher_refuses(device, mutate, match) -> None:
     with pytest.raises(ValueError, match=match):
-        paged_decode_attention(**mutate(_good()))
+        paged_decode_attention(**on(device, mutate(_good())))
 
 
 def test_block_size_must_be_a_power_of_two() -> None:

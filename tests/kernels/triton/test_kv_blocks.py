@@ -16,7 +16,7 @@ from kernels.triton.kv_blocks import (
     scatter_kv_blocks,
     scatter_kv_blocks_reference,
 )
-from tests.kernels.triton.cases import pools
+from tests.kernels.triton.cases import on, pools
 from transfer.handle import KVLayout
 from transfer.plan import plan_blocks
 
@@ -81,15 +81,16 @@ def _pools():
         (torch.tensor([0.0]), "block_ids must be one of int32, int64"),
     ],
 )
-def test_gather_refuses(ids, match) -> None:
+def test_gather_refuses(device, ids, match) -> None:
     k_pool, v_pool = _pools()
+    args = {"k_pool": k_pool, "v_pool": v_pool, "block_ids": ids}
     with pytest.raises(ValueError, match=match):
-        gather_kv_blocks(k_pool, v_pool, ids)
+        gather_kv_blocks(**on(device, args))
 
 
-def test_gather_refuses_pools() -> None:
-    k_pool, v_pool = _pools()
-    ids = torch.tensor([1])
+def test_gather_refuses_pools(device) -> None:
+    k_pool, v_pool = (t.to(device) for t in _pools())
+    ids = torch.tensor([1], device=device)
     with pytest.raises(ValueError, match="v_pool must be one of float32, got bfloat16"):
         gather_kv_blocks(k_pool, v_pool.bfloat16(), ids)
     with pytest.raises(ValueError, match=r"v_pool must have shape \(4, 8, 2, 16\)"):
@@ -114,7 +115,8 @@ def test_gather_refuses_pools() -> None:
         ),
     ],
 )
-def test_scatter_refuses(packed, ids, match) -> None:
+def test_scatter_refuses(device, packed, ids, match) -> None:
     k_pool, v_pool = _pools()
+    args = {"packed": packed, "k_pool": k_pool, "v_pool": v_pool, "block_ids": ids}
     with pytest.raises(ValueError, match=match):
-        scatter_kv_blocks(packed, k_pool, v_pool, ids)
+        scatter_kv_blocks(**on(device, args))

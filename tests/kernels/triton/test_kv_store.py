@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("triton", reason="triton is a test dependency: pip install -e '.[test]'")
 
 from kernels.triton.kv_store import store_kv, store_kv_reference
-from tests.kernels.triton.cases import pools
+from tests.kernels.triton.cases import on, pools
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -89,6 +89,6 @@ def _good():
         (lambda a: {**a, "k": a["k"].to("meta")}, "inputs must share one device"),
     ],
 )
-def test_launcher_refuses(mutate, match) -> None:
+def test_launcher_refuses(device, mutate, match) -> None:
     with pytest.raises(ValueError, match=match):
-        store_kv(**mutate(_good()))
+        store_kv(**on(device, mutate(_good())))
