@@ -196,7 +196,6 @@ def worker_placement(
 def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
     """Start everything and wait until it serves; returns the endpoints."""
     workdir = stack.log_dir
-    scrape: dict[str, list[str]] = {}  # Prometheus job -> host:port of each /metrics
     if cfg.prometheus:
         prometheus_exe()  # a missing binary fails before anything starts
     # One fresh cluster token per stack, in every process's environment (never on a command
@@ -211,7 +210,6 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
     stack.start(redis, ready_line="Ready to accept connections")
     sched_port = cfg.scheduler_port or free_port()
     sched_metrics = free_port()
-    scrape["scheduler"] = [f"{cfg.host}:{sched_metrics}"]
     sched = stack.start(Proc("scheduler", py(
         "services.scheduler", "--grpc-host", cfg.host, "--grpc-port", str(sched_port),
         "--metrics-host", cfg.host, "--metrics-port", str(sched_metrics),
@@ -231,12 +229,11 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
     engine = settings.to_argv(cfg.engine)
     common = ["--host", cfg.host, "--port", "0", "--scheduler", sched.address,
               "--heartbeat-interval-s", "0.5", *engine]  # fmt: skip
-    metrics: dict[str, str] = {}  # worker -> /metrics: bench and tests read metrics:* as workers
+    metrics: dict[str, str] = {}  # worker -> host:port of its /metrics
 
     def start_worker(name: str, module: str, *flags: str) -> Proc:
         port = free_port()
-        metrics[name] = f"http://{cfg.host}:{port}/metrics"
-        scrape.setdefault(name.split("-")[0], []).append(f"{cfg.host}:{port}")
+        metrics[name] = f"{cfg.host}:{port}"
         cpus, pin = placement[name]
         argv = py(module, *common, "--worker-id", name, *flags, *pin, "--metrics-port", str(port))
         return stack.start(Proc(name, argv, cpus))
@@ -259,14 +256,17 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
     gateway = stack.start(Proc("gateway", py("services.gateway", *gw), control))
     stack.wait_ready([gateway])
     _wait_placeable(gateway.address)
-    scrape["gateway"] = [gateway.address]
     more = {
         "scheduler-metrics": f"http://{cfg.host}:{sched_metrics}/metrics",
         "gateway-metrics": f"http://{gateway.address}/metrics",
     }
     if cfg.prometheus:
+        # Prometheus job -> its targets; a worker's job is its role (prefill-0 -> prefill).
+        jobs = {"scheduler": [f"{cfg.host}:{sched_metrics}"], "gateway": [gateway.address]}
+        for name, target in metrics.items():
+            jobs.setdefault(name.split("-")[0], []).append(target)
         config = workdir / "prometheus.yml"
-        config.write_text(scrape_config(scrape))
+        config.write_text(scrape_config(jobs))
         address = f"{cfg.host}:{cfg.prometheus_port or free_port()}"
         stack.wait_ready(
             [stack.start(prometheus_proc(config, address, workdir), ready_line=READY_LINE)]
@@ -278,7 +278,8 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
         "scheduler": sched.address,
         "redis": f"redis://127.0.0.1:{redis_port}/0",
         "logs": str(stack.log_dir),
-        **{f"metrics:{k}": v for k, v in metrics.items()},
+        # bench and tests read every metrics:* key as a worker's
+        **{f"metrics:{k}": f"http://{v}/metrics" for k, v in metrics.items()},
         **{f"memory:{k}": v for k, v in memory.items() if v},
         **more,
     }
