@@ -15,14 +15,14 @@ reference first: a kernel that is fast and wrong exits 1. On CPU it runs only un
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from bench._common import median, write_json
 
 TARGET = 0.70
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -40,7 +40,7 @@ def _timed(fn: Callable[[], object], device: torch.device, iters: int) -> float:
         fn()
         sync()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median(times)
 
 
 def run(args: argparse.Namespace) -> dict[str, object]:
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
           f"ratio {result['ratio']:.2f} (target {TARGET:.2f}); "
           f"max |error| {result['max_abs_error']:.2e}")  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json, result)
     if result["max_abs_error"] > result["tolerance"]:  # type: ignore[operator]
         print(f"wrong output: max |error| above {result['tolerance']}", file=sys.stderr)
         return 1
