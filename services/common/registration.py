@@ -60,7 +60,10 @@ class Registrar:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                await self._tick()
+                if not await self._tick():
+                    # The scheduler forgot this worker (it restarted cold, or the lease
+                    # lapsed): register again now rather than one interval later.
+                    await self._tick()
                 due = loop.time() + self.interval_s
                 while loop.time() < due and not self._events_waiting():
                     await asyncio.sleep(min(self.event_interval_s, due - loop.time()))
@@ -83,7 +86,9 @@ class Registrar:
                 }
         return {"cached_block_hashes_added": self._cache.snapshot(), "cache_snapshot": True}
 
-    async def _tick(self) -> None:
+    async def _tick(self) -> bool:
+        """Register if needed, then heartbeat. False when the scheduler no longer knows this
+        worker (``NOT_FOUND``); the next call registers again."""
         try:
             if not self._registered:
                 lease = await self._stub.RegisterWorker(
@@ -114,9 +119,11 @@ class Registrar:
             self._seq += 1
             self._snapshot_due = reply.resync_cache
         except grpc.aio.AioRpcError as e:
+            log.warning("heartbeat_failed", code=e.code().name, details=e.details())
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 self._registered = False  # the scheduler forgot us (restart, lease lapsed)
-            log.warning("heartbeat_failed", code=e.code().name, details=e.details())
+                return False
+        return True
 
     async def deregister(self) -> None:
         try:

@@ -198,19 +198,21 @@ class SchedulerState:
     def restore(self, workers: Iterable[StoredWorker], prefix_index: dict[int, set[str]]) -> None:
         """Seed the registry and prefix index (scheduler restart). Call before ``start``.
 
-        A restored worker keeps what is left of its lease and is asked for a cache snapshot
-        on its next heartbeat, since deltas sent while no scheduler ran are lost.
+        A restored worker gets a whole lease from now: it could not heartbeat while no
+        scheduler ran, so that time does not count against it (one that died meanwhile is
+        dropped one lease after this start, as any worker one lease after its last
+        heartbeat). It is asked for a cache snapshot on its next heartbeat, since deltas
+        sent while no scheduler ran are lost.
         """
         if self._running:
             raise RuntimeError("restore() must run before start()")
         now = self._clock()
         for stored in workers:
-            elapsed = max(0.0, self._config.lease_ttl_s - stored.remaining_ttl_s)
             self._workers[stored.info.worker_id] = _Worker(
                 info=stored.info,
                 state=stored.state,
                 load=stored.load,
-                last_seen=now - elapsed,
+                last_seen=now,
                 registered_unix_ns=stored.registered_unix_ns,
                 needs_resync=True,
             )

@@ -109,13 +109,12 @@ class NullSink:
 
 @dataclass(frozen=True)
 class StoredWorker:
-    """A worker key read back at start-up; ``remaining_ttl_s`` is what is left of its lease."""
+    """A worker key read back at start-up (one whose lease had not lapsed)."""
 
     info: WorkerInfo
     state: WorkerState
     load: WorkerLoad
     registered_unix_ns: int
-    remaining_ttl_s: float
 
 
 @dataclass(frozen=True)
@@ -398,11 +397,10 @@ class RedisStore:
         pipe = self._client.pipeline(transaction=False)
         for key in keys:
             pipe.hgetall(key)
-            pipe.pttl(key)
         replies = await pipe.execute()
         workers: list[StoredWorker] = []
-        for key, fields, pttl in zip(keys, replies[0::2], replies[1::2], strict=True):
-            if not fields or pttl is None or pttl <= 0:
+        for key, fields in zip(keys, replies, strict=True):
+            if not fields:
                 continue  # expired between SCAN and HGETALL
             try:
                 fields = {_text(k): _text(v) for k, v in fields.items()}
@@ -412,7 +410,6 @@ class RedisStore:
                         state=WorkerState(fields["state"]),
                         load=WorkerLoad(**json.loads(fields["load"])),
                         registered_unix_ns=int(fields.get("registered_unix_ns", 0)),
-                        remaining_ttl_s=pttl / 1000.0,
                     )
                 )
             except (KeyError, ValueError, TypeError) as exc:

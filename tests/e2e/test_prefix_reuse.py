@@ -10,7 +10,9 @@ a repeated prefix to the worker that holds it.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+import urllib.request
 
 import openai
 import pytest
@@ -52,6 +54,21 @@ def shared_tokens(tokenizer, k: int) -> int:
     return n // 16 * 16
 
 
+def fleet_known(metrics_url: str, **by_role: int) -> bool:
+    """Whether the scheduler at ``metrics_url`` has these many workers of each role (False
+    while it is down)."""
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=2) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return False
+    for role, n in by_role.items():
+        match = re.search(rf'^pdserve_scheduler_workers{{role="{role}"}} (\S+)$', text, re.M)
+        if match is None or float(match.group(1)) != n:
+            return False
+    return True
+
+
 def client_of(endpoints) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=endpoints["http"], api_key="unused", max_retries=0)
 
@@ -84,7 +101,11 @@ async def test_a_restarted_scheduler_routes_its_first_request_to_the_prefix(
     """Kill -9 the scheduler; the one the supervisor starts rebuilds the placement index
     (Redis, then the workers' snapshots): the first requests it routes hit their prefixes.
     Desks 1 and 2 sit on different prefill workers (warmed at once, the second goes to the
-    idle worker); a scheduler without the index would send both to the same one."""
+    idle worker); a scheduler without the index would send both to the same one.
+
+    The requests wait until the new scheduler knows all three workers: restored from Redis
+    at once when it came back within their lease, else as they register again (one
+    heartbeat). Before that, a prompt whose worker is not back yet goes to the other one."""
     st, endpoints = stack
     client = client_of(endpoints)
     model = (await client.models.list()).data[0].id
@@ -99,6 +120,9 @@ async def test_a_restarted_scheduler_routes_its_first_request_to_the_prefix(
         victim.popen.kill()
         victim.popen.wait(5)
         killed = time.monotonic()
+        while not fleet_known(endpoints["scheduler-metrics"], prefill=2, decode=1):
+            assert time.monotonic() - killed < 30, f"the workers are not back: {said}"
+            await asyncio.sleep(0.1)
         while True:
             try:
                 first = await ask(client, model, system_prompt(1), "First after the restart?")

@@ -17,14 +17,18 @@ from tests.services.scheduler.processes import worker_info
 
 
 class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
-    """Records every heartbeat; ``fail_next`` / ``resync_next`` script the next answer."""
+    """Records every heartbeat; ``fail_next`` / ``resync_next`` / ``forget_next`` script the
+    next answer."""
 
     def __init__(self) -> None:
         self.beats: asyncio.Queue[scheduler_pb2.HeartbeatRequest] = asyncio.Queue()
         self.fail_next = False
         self.resync_next = False
+        self.forget_next = False
+        self.registrations = 0
 
     async def RegisterWorker(self, request, context):  # type: ignore[no-untyped-def]
+        self.registrations += 1
         return scheduler_pb2.RegisterWorkerReply(heartbeat_interval_ms=60_000, lease_ttl_ms=1)
 
     async def Heartbeat(self, request, context):  # type: ignore[no-untyped-def]
@@ -32,6 +36,9 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         if self.fail_next:
             self.fail_next = False
             await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted failure")
+        if self.forget_next:
+            self.forget_next = False
+            await context.abort(grpc.StatusCode.NOT_FOUND, "unknown worker_id")
         resync, self.resync_next = self.resync_next, False
         return scheduler_pb2.HeartbeatReply(resync_cache=resync, heartbeat_interval_ms=60_000)
 
@@ -88,6 +95,15 @@ async def test_deltas_between_snapshots_and_a_snapshot_whenever_one_may_be_lost(
         for h in range(10, 16):  # more than max_pending (4) before the registrar runs
             log.stored(h)
         assert cache_of(await beat()) == (True, {2, 3, 4, *range(10, 16)}, set())
+
+        # A scheduler that forgot the worker: it registers again at once (not a minute
+        # later), and its first heartbeat to the new registration is a snapshot.
+        servicer.forget_next = True
+        log.stored(20)
+        assert cache_of(await beat()) == (False, {20}, set())  # answered NOT_FOUND
+        again = await beat()
+        assert cache_of(again) == (True, {2, 3, 4, *range(10, 16), 20}, set())
+        assert again.sequence == 0 and servicer.registrations == 2
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

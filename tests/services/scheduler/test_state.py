@@ -260,23 +260,19 @@ async def test_reregistering_replaces_the_record(state: SchedulerState) -> None:
     assert dict(snap.prefix_index) == {}
 
 
-async def test_restore_keeps_the_remaining_lease_and_asks_for_a_snapshot() -> None:
-    s = SchedulerState(_config())
+async def test_restore_gives_a_whole_lease_and_asks_for_a_snapshot() -> None:
+    """The time no scheduler ran does not count against a worker's lease: restored workers
+    are placeable for one lease from the start, then dropped unless they heartbeat."""
+    now = [1000.0]
+    s = SchedulerState(_config(), clock=lambda: now[0])
     stored = [
         StoredWorker(
-            info=info("d1", Role.DECODE),
+            info=info(worker_id, role),
             state=WorkerState.SERVING,
             load=_load(),
             registered_unix_ns=1,
-            remaining_ttl_s=TTL_S,
-        ),
-        StoredWorker(
-            info=info("p1", Role.PREFILL),
-            state=WorkerState.SERVING,
-            load=_load(),
-            registered_unix_ns=1,
-            remaining_ttl_s=0.1,  # almost lapsed
-        ),
+        )
+        for worker_id, role in (("d1", Role.DECODE), ("p1", Role.PREFILL))
     ]
     s.restore(stored, {1: {"p1", "gone"}, 2: {"gone"}})
     s.start()
@@ -286,9 +282,17 @@ async def test_restore_keeps_the_remaining_lease_and_asks_for_a_snapshot() -> No
         assert placed.prefill is not None and placed.expected_cached_tokens == BLOCK
         assert dict((await s.inspect()).prefix_index) == {1: {"p1"}}
         assert (await s.heartbeat(_beat("d1", 7))).resync_cache
-        await asyncio.sleep(0.15)
-        placed = await s.place(request("r2"))
+        now[0] += TTL_S * 0.9
+        placed = await s.place(request("r2", hashes=(1,)))
+        assert isinstance(placed, Placement) and placed.prefill is not None
+        assert placed.prefill.worker_id == "p1"
+        await s.heartbeat(_beat("d1", 8))
+        now[0] += TTL_S * 0.2  # p1 never heartbeat: its lease has lapsed, d1's has not
+        placed = await s.place(request("r3", hashes=(1,)))
         assert isinstance(placed, Placement) and placed.mode is PrefillMode.LOCAL_FALLBACK
+        await asyncio.sleep(0.2)  # the expiry tick (every 20 ms) drops p1 and its blocks
+        snap = await s.inspect()
+        assert [w.info.worker_id for w in snap.workers] == ["d1"] and not snap.prefix_index
     finally:
         await s.stop()
 
