@@ -1,4 +1,4 @@
-"""Attention over the paged KV pool: the torch reference path (CPU).
+"""Attention over the paged KV pool: the torch reference path (any device).
 
 Two shapes of work per layer:
 - prefill segments: a chunk of prompt queries, causal among themselves, on top of
@@ -63,8 +63,8 @@ def prefill_attention(
         keys = gather_context(k_pool, seg.block_table, total)
         values = gather_context(v_pool, seg.block_table, total)
         # query i (absolute position context_len + i) sees keys 0..context_len + i
-        qpos = torch.arange(seg.context_len, total).unsqueeze(1)
-        kpos = torch.arange(total).unsqueeze(0)
+        qpos = torch.arange(seg.context_len, total, device=q.device).unsqueeze(1)
+        kpos = torch.arange(total, device=q.device).unsqueeze(0)
         mask = kpos <= qpos
         causal = False
     out = F.scaled_dot_product_attention(
@@ -86,7 +86,8 @@ class Workspace:
     more than the gather that fills it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
         self._bufs: dict[str, torch.Tensor] = {}
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -95,7 +96,7 @@ class Workspace:
             numel *= n
         buf = self._bufs.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != dtype:
-            buf = torch.empty(max(numel, 1), dtype=dtype)
+            buf = torch.empty(max(numel, 1), dtype=dtype, device=self.device)
             self._bufs[name] = buf
         return buf[:numel].view(shape)
 
@@ -134,7 +135,7 @@ def decode_attention_reference(
     kv_heads = k_pool.shape[2]
     max_len = batch.max_context_len
     flat = batch.block_tables.reshape(-1)
-    ws = workspace or Workspace()
+    ws = workspace or Workspace(q.device)
     gathered = (flat.numel(), *k_pool.shape[1:])
     kbuf = ws.get("k", gathered, k_pool.dtype)
     vbuf = ws.get("v", gathered, v_pool.dtype)
@@ -146,7 +147,8 @@ def decode_attention_reference(
     values = vbuf.view(b, -1, kv_heads, dim)[:, :max_len].transpose(1, 2)
     mask = None
     if int(batch.context_lens.min()) < max_len:
-        mask = (torch.arange(max_len) < batch.context_lens.unsqueeze(1)).view(b, 1, 1, max_len)
+        lens = batch.context_lens.unsqueeze(1)
+        mask = (torch.arange(max_len, device=lens.device) < lens).view(b, 1, 1, max_len)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
     )

@@ -8,6 +8,7 @@ segments below describe.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,9 @@ class PrefillSegment:
     context_len: int
     block_table: torch.Tensor  # int64 [num_blocks]
 
+    def to(self, device: torch.device) -> PrefillSegment:
+        return dataclasses.replace(self, block_table=self.block_table.to(device, non_blocking=True))
+
 
 @dataclass(frozen=True)
 class DecodeBatch:
@@ -39,6 +43,13 @@ class DecodeBatch:
     @property
     def num_seqs(self) -> int:
         return int(self.block_tables.shape[0])
+
+    def to(self, device: torch.device) -> DecodeBatch:
+        return dataclasses.replace(
+            self,
+            block_tables=self.block_tables.to(device, non_blocking=True),
+            context_lens=self.context_lens.to(device, non_blocking=True),
+        )
 
 
 @dataclass(frozen=True)
@@ -54,3 +65,19 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def to(self, device: torch.device) -> ForwardBatch:
+        """The same batch on ``device`` (itself when already there). The engine builds
+        batches on the host and uploads each once per step, so every index check runs on
+        host memory and no kernel has to sync with the device to make it."""
+        if self.input_ids.device == device:
+            return self
+        return ForwardBatch(
+            input_ids=self.input_ids.to(device, non_blocking=True),
+            positions=self.positions.to(device, non_blocking=True),
+            slot_blocks=self.slot_blocks.to(device, non_blocking=True),
+            slot_offsets=self.slot_offsets.to(device, non_blocking=True),
+            prefills=tuple(seg.to(device) for seg in self.prefills),
+            decode=None if self.decode is None else self.decode.to(device),
+            logits_indices=self.logits_indices.to(device, non_blocking=True),
+        )

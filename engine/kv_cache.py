@@ -88,11 +88,21 @@ class KVCacheSpec:
 class KVCache:
     """Owns the pool tensor; hands out per-layer views and the flat byte view peers copy from."""
 
-    def __init__(self, spec: KVCacheSpec, buffer: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        buffer: torch.Tensor | None = None,
+        *,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        """A pool on ``device``, or in ``buffer`` (which must be on that device)."""
         self.spec = spec
+        device = torch.device(device)
         if buffer is None:
-            self.pool = torch.zeros(spec.shape, dtype=spec.dtype)
+            self.pool = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
         else:
+            if buffer.device.type != device.type:
+                raise ValueError(f"KV buffer is on {buffer.device}, the engine on {device}")
             flat = buffer.view(torch.uint8) if buffer.dtype != torch.uint8 else buffer
             if flat.numel() < spec.total_bytes:
                 raise ValueError(

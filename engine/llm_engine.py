@@ -20,6 +20,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.cache_events import CacheEventLog
 from engine.checkpoint import Checkpoint, load_checkpoint
+from engine.device import DTYPES, resolve_device, resolve_dtype
 from engine.errors import CapacityError, InvalidRequestError, ResourceExhaustedError
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.model import LlamaModel
@@ -36,20 +37,28 @@ from kernels.quant_linear import kernel_available as quant_kernel_available
 log = structlog.get_logger(__name__)
 
 
-def _generator(params: SamplingParams) -> torch.Generator | None:
-    return None if params.seed is None else torch.Generator().manual_seed(params.seed)
+def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """A seeded request's own random stream, on the device its noise is drawn on (a seed
+    gives the same tokens on every worker of one device type, not across CPU and CUDA)."""
+    if params.seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(params.seed)
 
 
 WEIGHT_FORMATS = ("float32", "quantized")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything that shapes an engine. ``None`` model means the embedded default."""
+    """Everything that shapes an engine. ``None`` model means the embedded default.
+
+    ``device`` and ``dtype`` may be ``auto`` (``engine.device``); construction resolves them,
+    so a config always names the concrete device (``cpu``, ``cuda:0``) and dtype.
+    """
 
     model: str | None = None
-    dtype: str = "float32"
+    device: str = "auto"
+    dtype: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides kv_cache_bytes
     kv_cache_bytes: int = 1 << 30
@@ -63,8 +72,15 @@ class EngineConfig:
     # "quantized": a GGUF's quantized tensors stay packed blocks (kernels/quant_linear.py);
     # "float32": every tensor dequantized into a dense weight (exact parity mode).
     weights: str = "float32"
+    # Triton kernels for decode attention and the KV store: None means on CUDA only. True
+    # on the CPU runs them under triton's interpreter (TRITON_INTERPRET=1): the tests' way
+    # of running the GPU's code path here.
+    triton_kernels: bool | None = None
 
     def __post_init__(self) -> None:
+        device = resolve_device(self.device)
+        object.__setattr__(self, "device", str(device))
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
         if self.weights not in WEIGHT_FORMATS:
             raise InvalidRequestError(
                 f"weights must be one of {list(WEIGHT_FORMATS)}, got {self.weights!r}"
@@ -74,14 +90,27 @@ class EngineConfig:
                 f"quantized weights compute in float32; dtype {self.dtype!r} needs "
                 "weights='float32'"
             )
-        if self.dtype not in _DTYPES:
-            raise InvalidRequestError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.weights == "quantized" and device.type != "cpu":
+            raise InvalidRequestError(
+                f"quantized weights run on the CPU only; device {self.device!r} needs "
+                "weights='float32' (dense weights in the engine's dtype)"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise InvalidRequestError(f"block_size must be a power of two, got {self.block_size}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def uses_triton(self) -> bool:
+        if self.triton_kernels is None:
+            return self.torch_device.type == "cuda"
+        return self.triton_kernels
 
 
 @dataclass(frozen=True)
@@ -175,7 +204,14 @@ class LLMEngine:
         self.config = config
         self.model_config = ckpt.config
         self.tokenizer = tokenizer or Tokenizer.from_path(ckpt.path)
-        self.model = LlamaModel(ckpt.config, ckpt.tensors, cpu_kernels=config.cpu_kernels)
+        self.device = config.torch_device
+        self.model = LlamaModel(
+            ckpt.config,
+            ckpt.tensors,
+            cpu_kernels=config.cpu_kernels,
+            device=self.device,
+            triton_kernels=config.uses_triton,
+        )
         self.max_model_len = min(
             config.max_model_len or ckpt.config.max_position_embeddings,
             ckpt.config.max_position_embeddings,
@@ -194,7 +230,9 @@ class LLMEngine:
             block_size=config.block_size,
             dtype=config.torch_dtype,
         )
-        self.kv = KVCache(self.kv_spec, kv_memory(self.kv_spec) if kv_memory else None)
+        self.kv = KVCache(
+            self.kv_spec, kv_memory(self.kv_spec) if kv_memory else None, device=self.device
+        )
         # What the prefix cache gains and loses, for the worker to publish to the scheduler.
         self.cache_events = CacheEventLog()
         self.blocks = BlockManager(
@@ -305,7 +343,8 @@ class LLMEngine:
         """A fresh sequence. A resumed one starts with its output tokens already in place
         (context to compute, counted against max_tokens) and its seeded random stream
         advanced past them, so it samples what an uninterrupted run would have."""
-        seq = Sequence(request_id, ids, params, time.monotonic(), generator=_generator(params))
+        generator = _generator(params, self.device)
+        seq = Sequence(request_id, ids, params, time.monotonic(), generator=generator)
         if resumed:
             seq.output_ids = list(resumed)
             seq.output_logprobs = [float("nan")] * len(resumed)  # not known here, not re-sent

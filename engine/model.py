@@ -12,6 +12,7 @@ and reads/writes keys and values in the paged pool (``engine/kv_cache.py``).
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Callable
 
 import torch
@@ -90,6 +91,34 @@ class _Layer:
         return norms + sum(m.nbytes for m in self.linears())
 
 
+def check_ranges(batch: ForwardBatch, max_positions: int, pool_blocks: torch.Size) -> None:
+    """Every index of a host batch lies inside the RoPE tables and the pool
+    (``[num_blocks, block_size]``): positions, KV slots, decode block tables and context
+    lengths, prefill block tables. On a GPU an index out of range is memory corruption or
+    a device assert that kills the process, never an exception, so it is checked here."""
+    layer_ops.check_slot_ranges(
+        batch.positions, batch.slot_blocks, batch.slot_offsets, max_positions, pool_blocks
+    )
+    if batch.decode is not None:
+        d = batch.decode
+        check_decode_ranges(d.block_tables, d.context_lens, *pool_blocks)
+    for seg in batch.prefills:
+        table = seg.block_table
+        fits = table.numel() * pool_blocks[1] >= seg.context_len + seg.length
+        inside = table.numel() == 0 or 0 <= int(table.min()) <= int(table.max()) < pool_blocks[0]
+        if not (fits and inside):
+            raise ValueError("a prefill segment's block table is out of range for the pool")
+
+
+def _triton_ops() -> types.SimpleNamespace:
+    """The Triton launchers, imported only by an engine that runs them (triton is not a
+    dependency of the CPU engine)."""
+    from kernels.triton.decode_attention import paged_decode_attention
+    from kernels.triton.kv_store import store_kv
+
+    return types.SimpleNamespace(paged_decode_attention=paged_decode_attention, store_kv=store_kv)
+
+
 def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -103,15 +132,34 @@ def _dense(weight: Weight) -> torch.Tensor:
 class LlamaModel:
     """Inference-only Llama decoder. Not thread-safe: one engine loop drives it.
 
+    Everything it holds lives on ``device`` (weights, RoPE tables, scratch). ``forward``
+    takes a batch built on the host, checks its indices there, and uploads it once.
+
     ``cpu_kernels=False`` keeps to the torch reference: plain ``F.linear`` and the gathered
-    attention, never the packed oneDNN weights or the C++ attention kernel."""
+    attention, never the packed oneDNN weights or the C++ attention kernel (both apply on
+    the CPU only). ``triton_kernels`` runs decode attention and the KV store as the Triton
+    kernels of ``kernels/triton`` (the CUDA path; on the CPU only under triton's
+    interpreter, which is how the tests run it)."""
 
     def __init__(
-        self, config: ModelConfig, tensors: dict[str, Weight], *, cpu_kernels: bool = True
+        self,
+        config: ModelConfig,
+        tensors: dict[str, Weight],
+        *,
+        cpu_kernels: bool = True,
+        device: torch.device | str = "cpu",
+        triton_kernels: bool = False,
     ) -> None:
         self.config = config
-        self.cpu_kernels = cpu_kernels
-        pack = None if cpu_kernels else False  # None: PackedLinear packs where it can
+        self.device = torch.device(device)
+        on_cpu = self.device.type == "cpu"
+        if not on_cpu:
+            if any(isinstance(t, QuantizedWeight) for t in tensors.values()):
+                raise ValueError(f"packed quantized weights run on the CPU, not {self.device}")
+            tensors = {name: _dense(t).to(self.device) for name, t in tensors.items()}
+        self.cpu_kernels = cpu_kernels and on_cpu
+        self.triton = _triton_ops() if triton_kernels else None
+        pack = None if self.cpu_kernels else False  # None: PackedLinear packs where it can
         self.norm = _dense(tensors["model.norm.weight"])
         self.dtype = self.norm.dtype
         # A packed embedding is looked up row by row (``dequantize_rows``); a dense one is a
@@ -135,13 +183,18 @@ class LlamaModel:
             isinstance(t, QuantizedWeight) for t in tensors.values()
         ):
             raise ValueError("packed quantized weights compute in float32 only")
-        self.rope = RotaryEmbedding(config, self.dtype)
+        self.rope = RotaryEmbedding(config, self.dtype, self.device)
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.eps = config.rms_norm_eps
-        self.workspace = Workspace()
+        self.workspace = Workspace(self.device)
         # The fused C++ layer ops (norms, RoPE + KV write, SiLU) replace dozens of small torch
         # ops per layer, which cost as much as the products at decode batch sizes.
-        self.fused = cpu_kernels and self.dtype == torch.float32 and layer_ops.layer_ops_available()
+        self.fused = (
+            self.cpu_kernels
+            and self.triton is None
+            and self.dtype == torch.float32
+            and layer_ops.layer_ops_available()
+        )
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Hugging Face normalises in float32 and casts back before the weight multiply.
@@ -161,9 +214,14 @@ class LlamaModel:
         ``on_layer_kv(i)`` is called as soon as layer ``i``'s keys and values are in the
         pool, before the layer's attention and MLP run: a prefill worker starts moving that
         layer's KV to the decode worker while the rest of the model computes.
+
+        ``batch`` is checked (``ValueError`` on an index outside the RoPE tables or the pool)
+        and uploaded to the model's device once; the kernels below trust it.
         """
+        check_ranges(batch, self.rope.cos.shape[0], kv.keys(0).shape[:2])
         if self.fused:
             return self._forward_fused(batch, kv, on_layer_kv)
+        batch = batch.to(self.device)
         cfg = self.config
         x = self._embed(batch.input_ids)
         cos, sin = self.rope.tables(batch.positions)
@@ -177,10 +235,16 @@ class LlamaModel:
             q = self.rope.apply(q, cos, sin)
             k = self.rope.apply(k, cos, sin)
             k_pool, v_pool = kv.keys(i), kv.values(i)
-            write_kv(k_pool, v_pool, k, v, batch.slot_blocks, batch.slot_offsets)
+            if self.triton is not None:
+                self.triton.store_kv(
+                    k_pool, v_pool, k, v, batch.slot_blocks, batch.slot_offsets,
+                    ranges_checked=True,
+                )  # fmt: skip
+            else:
+                write_kv(k_pool, v_pool, k, v, batch.slot_blocks, batch.slot_offsets)
             if on_layer_kv is not None:
                 on_layer_kv(i)
-            attn = self._attention(q, k, v, k_pool, v_pool, batch)
+            attn = self._attention(q, k, v, k_pool, v_pool, batch, ranges_checked=True)
             x = x + layer.o(attn)
             h = self._rms_norm(x, layer.mlp_norm)
             gu = layer.gate_up(h)
@@ -192,18 +256,11 @@ class LlamaModel:
     def _forward_fused(
         self, batch: ForwardBatch, kv: KVCache, on_layer_kv: Callable[[int], None] | None
     ) -> torch.Tensor:
-        """``forward`` with the fused layer ops: the same computation, the residual stream
-        ``x`` updated in place. Index ranges are checked once here, not in every layer."""
+        """``forward`` with the fused layer ops (CPU): the same computation, the residual
+        stream ``x`` updated in place. ``forward`` checked the index ranges."""
         cfg = self.config
         q_size, kv_size, hd, eps = cfg.q_size, cfg.kv_size, cfg.head_dim, self.eps
         rope = self.rope
-        layer_ops.check_slot_ranges(
-            batch.positions, batch.slot_blocks, batch.slot_offsets, rope.cos.shape[0],
-            kv.keys(0).shape[:2],
-        )  # fmt: skip
-        if batch.decode is not None:
-            d = batch.decode
-            check_decode_ranges(d.block_tables, d.context_lens, *kv.keys(0).shape[:2])
         x = self._embed(batch.input_ids).contiguous()
         h = layer_ops.rms_norm(x, self.layers[0].attn_norm, eps)
         for i, layer in enumerate(self.layers):
@@ -258,7 +315,14 @@ class LlamaModel:
         for seg in batch.prefills:
             sl = slice(seg.start, seg.start + seg.length)
             outs.append(prefill_attention(q[sl], k[sl], v[sl], k_pool, v_pool, seg, self.scale))
-        if batch.decode is not None:
+        if batch.decode is not None and self.triton is not None:
+            d = batch.decode
+            attn = self.triton.paged_decode_attention(
+                q[d.start :], k_pool, v_pool, d.block_tables, d.context_lens, self.scale,
+                ranges_checked=True,
+            )  # fmt: skip
+            outs.append(attn)
+        elif batch.decode is not None:
             d = batch.decode
             outs.append(
                 decode_attention(

@@ -124,8 +124,11 @@ class ModelRunner:
             [it.seq.params for it in sampling],
             [it.seq.generator for it in sampling],
         )
-        toks = out.token_ids.tolist()
-        lps = out.logprobs.tolist()
+        # The step's one read of the device: ids and logprobs in one copy (float64 holds
+        # every token id and float32 logprob exactly).
+        both = torch.stack((out.token_ids.double(), out.logprobs.double())).tolist()
+        toks = [int(t) for t in both[0]]
+        lps = both[1]
         return [SampledToken(it, t, lp) for it, t, lp in zip(sampling, toks, lps, strict=True)]
 
     @torch.inference_mode()

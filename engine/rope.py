@@ -39,13 +39,17 @@ def _llama3(inv: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 class RotaryEmbedding:
     """Precomputed cos/sin tables for every position up to the model's context."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> None:
+        # Computed on the CPU in float32 whatever the device, so every device rotates by
+        # the same tables (rounded once to ``dtype``).
         inv = inverse_frequencies(config).float()
         pos = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(pos, inv)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
         self.half = config.head_dim // 2
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

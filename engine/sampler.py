@@ -263,6 +263,6 @@ def skip_draws(generator: torch.Generator, vocab: int, steps: int = 1) -> None:
     decode worker continues the same random stream by consuming exactly what ``Sampler``
     would have drawn for those tokens, so seeded output is the same disaggregated or not.
     """
-    scratch = torch.empty(vocab, dtype=torch.float32)
+    scratch = torch.empty(vocab, dtype=torch.float32, device=generator.device)
     for _ in range(steps):
         scratch.uniform_(generator=generator)

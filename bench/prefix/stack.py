@@ -67,15 +67,16 @@ def kv_layout() -> KvLayout:
     """The KV block layout of the stacks this module starts (``pdserve up``'s default engine
     settings: model, dtype, block size), from the checkpoint's config. Loads the checkpoint:
     seconds of CPU, so once a run, before any stack starts."""
-    import torch
 
     from engine.checkpoint import load_checkpoint
     from engine.kv_cache import KVCacheSpec
     from services.common.engine_args import EngineArgs
 
-    args = EngineArgs()
-    config = load_checkpoint(args.model).config
+    engine = EngineArgs().engine_config()
+    config = load_checkpoint(engine.model).config
     spec = KVCacheSpec.for_model(
-        config, num_blocks=1, block_size=args.block_size, dtype=getattr(torch, args.dtype)
+        config, num_blocks=1, block_size=engine.block_size, dtype=engine.torch_dtype
     )
-    return KvLayout(block_size=args.block_size, block_bytes=2 * spec.num_layers * spec.block_bytes)
+    return KvLayout(
+        block_size=engine.block_size, block_bytes=2 * spec.num_layers * spec.block_bytes
+    )

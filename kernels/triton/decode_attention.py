@@ -102,8 +102,14 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    ranges_checked: bool = False,
 ) -> torch.Tensor:
     """Checked launcher (contract in the module docstring); ``ValueError`` on bad input.
+
+    ``ranges_checked``: the caller checked the table and length ranges on the host (the
+    engine does, once per step), so the two reductions that sync with the device are
+    skipped; shapes, dtypes, strides and devices are still checked.
 
     Strides: ``q`` and the pools need a packed last dim (the pools their last three dims,
     equal strides for K and V); outer dims may be strided views. Every ``context_lens``
@@ -130,8 +136,10 @@ def paged_decode_attention(
     )
     check_rows_contiguous("q", q, 1)
     block_tables = block_tables.contiguous()
-    check_index_range("context_lens", context_lens, 1, block_tables.shape[1] * block_size + 1)
-    check_index_range("block_tables", block_tables, 0, num_blocks)
+    if not ranges_checked:
+        max_len = block_tables.shape[1] * block_size
+        check_index_range("context_lens", context_lens, 1, max_len + 1)
+        check_index_range("block_tables", block_tables, 0, num_blocks)
     out = torch.empty((b, heads, dim), dtype=q.dtype, device=q.device)
     if b == 0:
         return out

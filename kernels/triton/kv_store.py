@@ -60,8 +60,14 @@ def store_kv(
     v: torch.Tensor,
     slot_blocks: torch.Tensor,
     slot_offsets: torch.Tensor,
+    *,
+    ranges_checked: bool = False,
 ) -> None:
     """Checked launcher (contract in the module docstring); ``ValueError`` on bad input.
+
+    ``ranges_checked``: the caller checked that the slots are in range and distinct (the
+    engine's slots come from its block manager and are checked on the host once per
+    step), so the reductions that sync with the device are skipped.
 
     ``k``/``v`` may be token-strided views (a slice of a fused QKV output) but each token's
     ``[kv_heads, D]`` must be packed, and so must a pool's last three dims. Slots must be in
@@ -84,13 +90,14 @@ def store_kv(
     )
     check_rows_contiguous("k", k, 2)
     check_rows_contiguous("v", v, 2)
-    check_index_range("slot_blocks", slot_blocks, 0, num_blocks)
-    check_index_range("slot_offsets", slot_offsets, 0, block_size)
     if tokens == 0:
         return
-    slots = slot_blocks.long() * block_size + slot_offsets.long()
-    if torch.unique(slots).numel() != tokens:
-        raise ValueError("two tokens share a slot (slot_blocks, slot_offsets)")
+    if not ranges_checked:
+        check_index_range("slot_blocks", slot_blocks, 0, num_blocks)
+        check_index_range("slot_offsets", slot_offsets, 0, block_size)
+        slots = slot_blocks.long() * block_size + slot_offsets.long()
+        if torch.unique(slots).numel() != tokens:
+            raise ValueError("two tokens share a slot (slot_blocks, slot_offsets)")
     row = kv_heads * dim
     _kv_store_kernel[(tokens,)](
         k, v, k_pool, v_pool, slot_blocks.contiguous(), slot_offsets.contiguous(),

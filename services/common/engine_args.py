@@ -5,6 +5,7 @@ generate``, ``pdserve up``, compose), each default written here and nowhere else
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -13,7 +14,8 @@ from services.common.settings import setting
 if TYPE_CHECKING:
     from engine.llm_engine import EngineConfig
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 WEIGHTS = ("auto", "quantized", "float32")
 # What --weights auto loads per role (docs/benchmarks.md, "Weight formats", has the
 # measurements): decode streams every weight per step, so the packed blocks (~6x fewer bytes)
@@ -28,7 +30,16 @@ class EngineArgs:
     model: str | None = setting(
         None, "GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)"
     )
-    dtype: str = setting("float32", "weights' and activations' dtype", choices=DTYPES)
+    device: str = setting(
+        "auto",
+        "where the engine computes: cpu, cuda or cuda:N (auto: cuda when torch sees a GPU, "
+        "else cpu)",
+    )
+    dtype: str = setting(
+        "auto",
+        "weights', activations' and KV's dtype (auto: bfloat16 on cuda, float32 on cpu)",
+        choices=DTYPES,
+    )
     weights: str = setting(
         "auto",
         "weight format: quantized keeps a GGUF's quantized tensors as packed blocks (read "
@@ -68,17 +79,23 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.weights == "quantized" and self.dtype != "float32":
+        if not DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.weights == "quantized" and self.dtype not in ("auto", "float32"):
             raise ValueError(f"--weights quantized computes in float32, not {self.dtype}")
+        if self.weights == "quantized" and self.device.startswith("cuda"):
+            raise ValueError("--weights quantized runs on the CPU only, not on cuda")
         if self.chunked_prefill < 0:
             raise ValueError(f"chunked_prefill must be >= 0, got {self.chunked_prefill}")
 
-    def weight_format(self, role: str) -> str:
-        """The weight format an engine in ``role`` (prefill, decode, colocated) loads."""
+    def weight_format(self, role: str, device: str | None = None, dtype: str | None = None) -> str:
+        """The weight format an engine in ``role`` (prefill, decode, colocated) loads on
+        ``device`` in ``dtype`` (the resolved ones; by default this config's)."""
         if self.weights != "auto":
             return self.weights
-        if self.dtype != "float32":
-            return "float32"  # packed weights compute in float32 only
+        device, dtype = device or self.device, dtype or self.dtype
+        if device != "cpu" or dtype != "float32":
+            return "float32"  # packed weights run on the CPU, in float32 only
         return AUTO_WEIGHTS[role]
 
     def engine_config(
@@ -86,11 +103,15 @@ class EngineArgs:
     ) -> EngineConfig:
         """The ``EngineConfig`` of an engine in ``role`` whose thread runs on ``cpus``
         (None: wherever the process may run)."""
-        from engine.llm_engine import EngineConfig  # lazy: keeps torch out of --help
+        from engine.device import resolve_device, resolve_dtype  # lazy: torch, not for --help
+        from engine.llm_engine import EngineConfig
 
+        device = resolve_device(self.device)
+        dtype = resolve_dtype(self.dtype, device)
         return EngineConfig(
             model=self.model,
-            dtype=self.dtype,
+            device=str(device),
+            dtype=dtype,
             block_size=self.block_size,
             kv_cache_bytes=self.kv_cache_mib << 20,
             max_model_len=self.max_model_len,
@@ -102,5 +123,5 @@ class EngineArgs:
             # core would only take turns.
             num_threads=self.threads or (len(cpus) if cpus else None),
             cpu_kernels=self.cpu_kernels,
-            weights=self.weight_format(role),
+            weights=self.weight_format(role, device.type, dtype),
         )
