@@ -23,6 +23,7 @@ from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.device import DTYPES, resolve_device, resolve_dtype
 from engine.errors import CapacityError, InvalidRequestError, ResourceExhaustedError
 from engine.kv_cache import KVCache, KVCacheSpec
+from engine.kv_staging import KVStaging, LayerReady, ready_now
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor, RequestOutput
@@ -76,6 +77,10 @@ class EngineConfig:
     # on the CPU runs them under triton's interpreter (TRITON_INTERPRET=1): the tests' way
     # of running the GPU's code path here.
     triton_kernels: bool | None = None
+    # Given pool memory (``kv_memory``) becomes a host pool beside the device pool, blocks
+    # moved layer by layer (engine/kv_staging.py). Always so off the CPU; True stages on the
+    # CPU too (two CPU pools: how the tests run a GPU worker's KV path here).
+    kv_staging: bool = False
 
     def __post_init__(self) -> None:
         device = resolve_device(self.device)
@@ -188,8 +193,11 @@ class LLMEngine:
         tokenizer: Tokenizer | None = None,
         kv_memory: Callable[[KVCacheSpec], torch.Tensor] | None = None,
     ) -> None:
-        """``kv_memory(spec)`` supplies the pool's memory (e.g. a registered shared-memory
-        region a prefill worker writes into); by default the engine allocates it."""
+        """``kv_memory(spec)`` supplies host memory for the pool (e.g. a registered
+        shared-memory region a prefill worker writes into); by default the engine allocates
+        the pool. On a device other than the CPU (or with ``kv_staging``) that memory holds
+        a host pool beside the device pool instead (``kv_host``; ``stage_layer`` and the
+        upload in ``add_prefilled`` move blocks between them)."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if checkpoint is None:
@@ -230,9 +238,15 @@ class LLMEngine:
             block_size=config.block_size,
             dtype=config.torch_dtype,
         )
-        self.kv = KVCache(
-            self.kv_spec, kv_memory(self.kv_spec) if kv_memory else None, device=self.device
-        )
+        memory = kv_memory(self.kv_spec) if kv_memory else None
+        self.staging: KVStaging | None = None
+        if memory is not None and (self.device.type != "cpu" or config.kv_staging):
+            self.kv = KVCache(self.kv_spec, device=self.device)
+            self.staging = KVStaging(self.kv, KVCache(self.kv_spec, memory))
+        else:
+            self.kv = KVCache(self.kv_spec, memory, device=self.device)
+        # The pool transports read and write: the host pool when staged, else the pool.
+        self.kv_host = self.staging.host_kv if self.staging else self.kv
         # What the prefix cache gains and loses, for the worker to publish to the scheduler.
         self.cache_events = CacheEventLog()
         self.blocks = BlockManager(
@@ -425,6 +439,14 @@ class LLMEngine:
             )
         return outs
 
+    def stage_layer(self, layer: int, block_ids: Seq[int]) -> LayerReady:
+        """Engine thread, inside ``run_prefill``'s ``on_layer_kv(layer)``: start copying
+        ``layer``'s KV of ``block_ids`` into ``kv_host``; the result says when a reader of
+        ``kv_host`` may read it (at once when the pool is ``kv_host``)."""
+        if self.staging is None:
+            return ready_now
+        return self.staging.stage_layer(layer, block_ids)
+
     def release(self, request_id: str) -> bool:
         """Free a prefill plan's blocks (they stay in the prefix cache) or a reservation."""
         seq = self._held.pop(request_id, None)
@@ -483,6 +505,9 @@ class LLMEngine:
         instead of computing them; the request's events report it (usage.cached_tokens:
         tokens this request did not compute, whatever this pool already held)."""
         seq = self._held.pop(request_id)
+        if self.staging is not None:
+            # The prefill worker wrote the blocks after those present at reservation.
+            self.staging.upload(seq.block_table[seq.num_computed // self.kv_spec.block_size :])
         if seq.generator is not None and not seq.params.greedy:
             skip_draws(seq.generator, self.model_config.vocab_size)  # token 0 came from prefill
         seq.num_computed = seq.num_tokens

@@ -11,7 +11,8 @@ Initiator side (prefill worker)::
     source = KVSource(cache.as_bytes(), layout)   # the local pool, registered once
     writer = transport.connect(handle, source)    # cached per (region, source)
     job = writer.begin(request_id, src_ids, dst_ids, deadline=time.monotonic() + 5.0)
-    job.write_layer(layer)                        # engine thread, as each layer's KV lands
+    job.write_layer(layer, ready)                 # engine thread, as each layer's KV lands
+                                                  # (ready: a GPU's layer staged to host)
     result = await asyncio.wrap_future(job.finish())  # bytes are in the target's memory now
 
 Ownership: each writer has one owner thread (``transfer/writer.py``) that alone touches
@@ -42,7 +43,7 @@ from __future__ import annotations
 import enum
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import ClassVar
@@ -53,6 +54,10 @@ from transfer.errors import TransferError
 from transfer.faults import FaultDice, FaultPlan
 from transfer.handle import KVLayout, MemoryRegionHandle
 from transfer.plan import BlockPlan, plan_blocks
+
+LayerReady = Callable[[float], bool]
+"""``ready(deadline)``: wait until a layer's source bytes are in the source pool; False if
+``deadline`` (``time.monotonic()`` seconds) passed first."""
 
 
 class JobState(enum.Enum):
@@ -206,11 +211,15 @@ class TransferJob:
         assert error is None or isinstance(error, TransferError)
         return error
 
-    def write_layer(self, layer: int) -> None:
+    def write_layer(self, layer: int, ready: LayerReady | None = None) -> None:
         """Queue the move of ``layer``'s KV, which the source pool now holds (each layer at
         most once). Only posts: never blocks, never raises. A layer outside the layout, or
-        written twice or after ``finish``, fails the job; a job that failed ignores it."""
-        self._writer.post(("layer", self, layer))
+        written twice or after ``finish``, fails the job; a job that failed ignores it.
+
+        ``ready``: the source bytes are still on their way into the source pool (a GPU
+        engine's layer staged to host memory, engine/kv_staging.py); the writer calls
+        ``ready(job deadline)`` before it reads them, and a False fails the job."""
+        self._writer.post(("layer", self, (layer, ready)))
 
     def finish(self) -> Future[TransferResult]:
         """No more layers: the outcome, resolved once every written layer is confirmed in

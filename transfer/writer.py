@@ -310,13 +310,19 @@ class OwnerThreadWriter(RegionWriter):
             return
         self._works[job.request_id] = work
 
-    def _on_layer(self, work: JobWork, layer: object) -> None:
+    def _on_layer(self, work: JobWork, arg: object) -> None:
+        layer, ready = arg if isinstance(arg, tuple) else (arg, None)
         try:
             check_layer(layer, work.job.plan.num_layers)
         except TransferError as exc:
             self._fail(work, TransferError(f"{work.job.request_id!r}: {exc}"))
             return
         assert isinstance(layer, int)
+        # A staged layer (GPU -> host on a side stream) is waited for here, before any of
+        # its bytes are read: well under a millisecond, bounded by the job's deadline.
+        if ready is not None and not ready(work.job.deadline):
+            self._fail(work, self._timeout(work))
+            return
         bit = 1 << layer
         if work.written & bit:
             self._fail(

@@ -63,6 +63,11 @@ class EngineArgs:
         0, "split prompts into chunks of this many tokens (0: off)", metavar="TOKENS"
     )
     prefix_caching: bool = setting(True, "reuse the KV of shared prompt prefixes")
+    kv_staging: bool = setting(
+        False,
+        "move a worker's KV through a host pool layer by layer even on the CPU, as a GPU "
+        "engine always does (runs that path on a CPU; for tests)",
+    )
     cpu_kernels: bool = setting(
         True,
         "use the compiled CPU kernels (oneDNN packed linears, C++ paged attention) where "
@@ -123,5 +128,6 @@ class EngineArgs:
             # core would only take turns.
             num_threads=self.threads or (len(cpus) if cpus else None),
             cpu_kernels=self.cpu_kernels,
+            kv_staging=self.kv_staging,
             weights=self.weight_format(role, device.type, dtype),
         )

@@ -54,25 +54,28 @@ def build_engine(
     started yet); ``options``: further ``AsyncEngine`` arguments."""
     t0 = time.monotonic()
     config = args.engine_config(tuning.engine_cpus, role)
-    if role in ("prefill", "decode") and config.torch_device.type != "cpu":
-        # The transports move KV between host-memory pools; a GPU pool needs the staging
-        # through pinned host memory (docs/gpu.md), which is not built yet.
-        raise SystemExit(
-            f"a {role} worker's KV pool must be in host memory for its transport; "
-            f"--device {config.device} is supported by colocated engines only so far "
-            "(pass --device cpu)"
-        )
+    if role == "prefill" and kv_memory is None:
+        # The pool the transfer reads: the engine's own on the CPU, else a host pool its
+        # layers are staged into (engine/kv_staging.py).
+        kv_memory = host_pool_memory
     engine = LLMEngine(config, kv_memory=kv_memory)
     if config.cpu_kernels:
         # Loaded (compiled, on a machine's first run) now, before READY: not by the first
         # decode step, which would stall every stream placed here meanwhile.
         cpu_kernel_available()
     log.info("engine_ready", seconds=round(time.monotonic() - t0, 2), role=role,
-             device=config.device, dtype=config.dtype, weights=engine.weight_format,
+             device=config.device, dtype=config.dtype, kv_staged=engine.staging is not None,
+             weights=engine.weight_format,
              weight_mib=_mib(engine.model.weight_bytes),
              kv_mib=_mib(engine.kv_spec.total_bytes), kv_blocks=engine.blocks.num_blocks,
              max_model_len=engine.max_model_len)  # fmt: skip
     return AsyncEngine(engine, **tuning.engine_options(), **options)
+
+
+def host_pool_memory(spec: KVCacheSpec) -> torch.Tensor:
+    """Zeroed host memory for a KV pool: page-locked where CUDA is present, so device <->
+    host copies of staged layers run asynchronously at full speed."""
+    return torch.zeros(spec.total_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
 
 def _mib(n: int) -> float:

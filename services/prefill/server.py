@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Callable
 from typing import NoReturn
 
 import grpc
@@ -30,6 +31,7 @@ import structlog
 
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common import metrics
 from services.common.background import Background
@@ -63,7 +65,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.placement_key = placement_key
         self.transports = transports
         eng = aengine.engine
-        self.source = KVSource(eng.kv.as_bytes(), KVLayout.from_spec(eng.kv_spec))
+        # A GPU engine's pool is staged into a host pool of the same layout (kv_host).
+        self.source = KVSource(eng.kv_host.as_bytes(), KVLayout.from_spec(eng.kv_spec))
         self.inflight = 0
         self._releases = Background()
         # Engine keys are per call: a request placed again (a migration, a retry) may reach
@@ -159,11 +162,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         job: TransferJob | None = None
         try:
             # The destination already holds its leading blocks: only the rest is written.
-            job = writer.begin(rid, plan.block_ids[skip:], dst_ids[skip:], deadline=deadline)
+            sent = plan.block_ids[skip:]
+            job = writer.begin(rid, sent, dst_ids[skip:], deadline=deadline)
             t0 = time.monotonic()
             metrics.QUEUE_TIME.labels(ROLE).observe(t0 - arrival)
             out = await asyncio.wait_for(
-                self.aengine.run_prefill(plan, job.write_layer), deadline - t0
+                self.aengine.run_prefill(plan, _layer_writer(self.aengine.engine, job, sent)),
+                deadline - t0,
             )
             computed = time.monotonic()
             metrics.PROMPT_TOKENS_CACHED.labels(ROLE).inc(out.num_cached_tokens)
@@ -230,6 +235,18 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             log.error("transfer_outcome_lost", request_id=rid)
             return
         await self.aengine.release(rid)
+
+
+def _layer_writer(
+    engine: LLMEngine, job: TransferJob, block_ids: tuple[int, ...]
+) -> Callable[[int], None]:
+    """The engine-thread hook that hands each computed layer to the transfer: staged to the
+    host pool first when the engine's pool is elsewhere (a GPU's)."""
+
+    def on_layer_kv(layer: int) -> None:
+        job.write_layer(layer, engine.stage_layer(layer, block_ids))
+
+    return on_layer_kv
 
 
 def _present_blocks(present: int, block_size: int, num_tokens: int) -> int:

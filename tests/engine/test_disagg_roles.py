@@ -1,16 +1,22 @@
 """The engine's prefill-only and decode-only roles give the colocated engine's tokens.
 
 The KV moves between the two engines' pools layer by layer, from inside the prefill
-forward pass, through the same byte ranges the transfer layer uses.
+forward pass, through the same byte ranges the transfer layer uses: between their host
+pools (``kv_host``), which are the pools themselves on the CPU, or the pools a staged
+engine (a GPU's, or ``kv_staging`` here) copies its device pool's layers into and uploads
+its received blocks from.
 """
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import torch
 
 from engine.errors import ResourceExhaustedError
-from engine.kv_cache import KVCache
-from engine.llm_engine import LLMEngine
+from engine.kv_cache import KVCache, KVCacheSpec
+from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -49,7 +55,11 @@ def _disaggregated(prefill: LLMEngine, decode: LLMEngine, prompts, params) -> li
         for p in plans:
             res = reserved[p.request_id]
             k = res.num_present_tokens // bs
-            moved += _copy_layer(prefill.kv, decode.kv, layer, p.block_ids[k:], res.block_ids[k:])
+            ready = prefill.stage_layer(layer, p.block_ids[k:])
+            assert ready(time.monotonic() + 5)
+            moved += _copy_layer(
+                prefill.kv_host, decode.kv_host, layer, p.block_ids[k:], res.block_ids[k:]
+            )
 
     outs = prefill.run_prefill(plans, on_layer)
     assert layers_seen == list(range(prefill.model_config.num_layers))
@@ -129,3 +139,43 @@ def test_full_pool_is_resource_exhausted(make_engine, prompts) -> None:
         prefill.plan_prefill("b", prompts[1], GREEDY)
     assert prefill.release("a")
     assert prefill.blocks.num_free_blocks == prefill.blocks.num_blocks
+
+
+def _host_memory(spec: KVCacheSpec) -> torch.Tensor:
+    return torch.zeros(spec.total_bytes, dtype=torch.uint8)
+
+
+def test_staged_pools_give_the_colocated_tokens(
+    default_checkpoint, default_tokenizer, make_engine, prompts
+) -> None:
+    """Both engines keep their pool apart from the host pool the transfer uses (as on a
+    GPU): the prefill stages each layer out, the decode uploads what arrived. A second
+    prompt extends the first one's answer: its reservation finds blocks the decode engine
+    computed itself (present on its pool, never in its host pool), which must not be
+    overwritten by an upload."""
+
+    def staged(blocks: int) -> LLMEngine:
+        config = EngineConfig(kv_staging=True, num_kv_blocks=blocks)
+        return LLMEngine(
+            config, checkpoint=default_checkpoint, tokenizer=default_tokenizer,
+            kv_memory=_host_memory,
+        )  # fmt: skip
+
+    prefill, decode = staged(64), staged(200)
+    assert prefill.staging is not None and decode.staging is not None
+    assert prefill.kv_host is not prefill.kv
+    first = _disaggregated(prefill, decode, prompts[:2], GREEDY)
+    colocated = make_engine()
+    assert first == [r.token_ids for r in colocated.generate(prompts[:2], GREEDY)]
+    longer = prompts[0] + first[0] + default_tokenizer.encode(" Tell me more.")
+    reservation = decode.reserve("probe", longer, GREEDY)
+    assert reservation.num_present_tokens > len(prompts[0])  # the answer's blocks too
+    present = list(reservation.block_ids[: reservation.num_present_tokens // 16])
+    before = decode.kv.pool[:, :, present].clone()
+    assert decode.kv_host.pool[:, :, present].ne(before).any()  # computed here, never sent
+    decode.cancel_reservation("probe")
+    second = _disaggregated(prefill, decode, [longer], GREEDY)
+    assert second == [colocated.generate([longer], GREEDY)[0].token_ids]
+    assert torch.equal(decode.kv.pool[:, :, present], before)
+    # The host pools hold only what crossed: the decode's own blocks stay zero there.
+    assert decode.kv_host.pool.abs().sum() < decode.kv.pool.abs().sum()

@@ -120,6 +120,28 @@ def test_a_decode_step_reads_the_device_once(engine: LLMEngine) -> None:
     assert steps == 8 and len(syncs) <= steps, [str(w.message) for w in syncs]
 
 
+def test_staged_disaggregation_equals_colocated_on_cuda(
+    engine: LLMEngine, bf16_checkpoint: Checkpoint
+) -> None:
+    """Two CUDA engines with pinned host pools: the prefill stages each layer out on its
+    side stream (the copy waited for before the host bytes are read), the decode uploads
+    what arrived; greedy tokens equal the colocated CUDA engine's."""
+    from services.common.worker import host_pool_memory
+    from tests.engine.test_disagg_roles import GREEDY, _disaggregated
+
+    def staged(blocks: int) -> LLMEngine:
+        config = EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=blocks)
+        return LLMEngine(config, checkpoint=bf16_checkpoint, kv_memory=host_pool_memory)
+
+    prefill, decode = staged(256), staged(512)
+    assert prefill.staging is not None and prefill.kv_host.pool.is_pinned()
+    tok = engine.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+               for q in ("What is the capital of France?", "Name three fruits.")]  # fmt: skip
+    colocated = [r.token_ids for r in engine.generate(prompts, GREEDY)]
+    assert _disaggregated(prefill, decode, prompts, GREEDY) == colocated
+
+
 def test_seeded_sampling_repeats_on_cuda(engine: LLMEngine) -> None:
     params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=1234)
     first = engine.generate(["Once upon a time"], params)[0].token_ids

@@ -426,3 +426,29 @@ async def test_prefill_writes_only_the_blocks_after_num_present_tokens(cluster, 
     blocks = region.tensor.view(torch.float32).view(30, 2, 4, 16, 3, 64)
     assert blocks[:, :, 3].abs().sum(dim=(2, 3, 4)).gt(0).all()  # every layer's K and V
     assert not blocks[:, :, [0, 1, 2]].any()  # the present block is left as it was
+
+
+async def test_staged_workers_equal_colocated(prompts, expected) -> None:
+    """``--kv-staging``: each worker keeps its pool apart from the host pool its transport
+    uses, as a GPU worker must (the prefill stages each computed layer out, on its writer's
+    wait; the decode uploads what arrived), here with two CPU pools."""
+    procs: list[ServiceProcess] = []
+    try:
+        prefill = start_service("services.prefill", "--port", "0", "--kv-cache-mib", KV_MIB,
+                                "--kv-staging")  # fmt: skip
+        procs.append(prefill)
+        for transport in ("shm", "tcp"):
+            decode = start_service("services.decode", "--port", "0", "--kv-cache-mib", KV_MIB,
+                                   "--transport", transport, "--kv-staging")  # fmt: skip
+            procs.append(decode)
+            results = await asyncio.gather(
+                *(
+                    _generate(decode.address, _request(f"st-{transport}-{i}", ids, prefill.address))
+                    for i, ids in enumerate(prompts)
+                )
+            )
+            assert [toks for toks, _ in results] == expected, transport
+            assert all(last.kv_transfer_bytes > 0 for _, last in results)
+    finally:
+        for p in procs:
+            p.stop()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -113,6 +113,39 @@ def test_only_written_layers_move_and_a_job_with_none_succeeds(
     assert torch.equal(region.tensor, _want([2]))
     empty = writer.begin("none", [], [], deadline=time.monotonic() + 10)
     assert empty.finish().result(10).bytes == 0
+
+
+def test_a_staged_layer_is_waited_for_before_its_bytes_are_read(
+    pair: tuple[KVRegion, RegionWriter],
+) -> None:
+    """``write_layer(layer, ready)``: the owner calls ``ready(deadline)`` before reading the
+    layer (a GPU engine's copy to host memory may still run); False fails the job."""
+    region, writer = pair
+    waited: list[tuple[int, float, bool]] = []
+
+    def staged(layer: int, landed: bool) -> Callable[[float], bool]:
+        def ready(deadline: float) -> bool:
+            # Nothing of this layer has been read yet when the wait runs.
+            waited.append((layer, deadline, _layer_landed(region, layer)))
+            return landed
+
+        return ready
+
+    deadline = time.monotonic() + 10
+    job = writer.begin("staged", SRC_IDS, DST_IDS, deadline=deadline)
+    for layer in range(4):
+        job.write_layer(layer, staged(layer, landed=True))
+    assert job.finish().result(10).layers == 4
+    assert torch.equal(region.tensor, _want([0, 1, 2, 3]))
+    assert waited == [(layer, deadline, False) for layer in range(4)]
+
+    region.tensor.copy_(pattern(DST_LAYOUT.total_bytes, DST_SEED))
+    job = writer.begin("stuck", SRC_IDS, DST_IDS, deadline=time.monotonic() + 10)
+    job.write_layer(0, staged(0, landed=False))
+    with pytest.raises(TransferTimeout, match="missed its deadline"):
+        job.finish().result(10)
+    assert job.state is JobState.FAILED
+    assert torch.equal(region.tensor, pattern(DST_LAYOUT.total_bytes, DST_SEED))
 
 
 def test_many_jobs_on_one_writer_in_parallel(pair: tuple[KVRegion, RegionWriter]) -> None:
