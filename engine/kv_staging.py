@@ -69,7 +69,7 @@ class KVStaging:
             self._copy(layer, runs, to_host=True)
             copied = torch.cuda.Event()
             copied.record(self._stream)
-        return lambda deadline: _wait(copied, deadline)
+        return lambda deadline: wait_event(copied, deadline)
 
     def upload(self, block_ids: Sequence[int]) -> None:
         """Copy every layer of ``block_ids`` from the host pool into the device pool, on the
@@ -90,7 +90,7 @@ class KVStaging:
                     d.copy_(h, non_blocking=self._cuda)
 
 
-def _wait(event: torch.cuda.Event, deadline: float) -> bool:
+def wait_event(event: torch.cuda.Event, deadline: float) -> bool:
     """Poll ``event`` until it completes or ``deadline`` passes (a CUDA event has no
     timed wait); a staged layer takes well under a millisecond to copy."""
     while not event.query():

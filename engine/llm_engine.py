@@ -23,7 +23,7 @@ from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.device import DTYPES, resolve_device, resolve_dtype
 from engine.errors import CapacityError, InvalidRequestError, ResourceExhaustedError
 from engine.kv_cache import KVCache, KVCacheSpec
-from engine.kv_staging import KVStaging, LayerReady, ready_now
+from engine.kv_staging import KVStaging, LayerReady, ready_now, wait_event
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor, RequestOutput
@@ -240,7 +240,8 @@ class LLMEngine:
         )
         memory = kv_memory(self.kv_spec) if kv_memory else None
         self.staging: KVStaging | None = None
-        if memory is not None and (self.device.type != "cpu" or config.kv_staging):
+        staged = self.device.type != "cpu" or config.kv_staging
+        if memory is not None and memory.device.type == "cpu" and staged:
             self.kv = KVCache(self.kv_spec, device=self.device)
             self.staging = KVStaging(self.kv, KVCache(self.kv_spec, memory))
         else:
@@ -446,6 +447,16 @@ class LLMEngine:
         if self.staging is None:
             return ready_now
         return self.staging.stage_layer(layer, block_ids)
+
+    def layer_written(self, layer: int) -> LayerReady:
+        """Engine thread, inside ``run_prefill``'s ``on_layer_kv(layer)``: when a reader of
+        the device pool itself (``cuda_ipc``) may read ``layer``'s KV: after what the
+        compute stream has enqueued so far (at once on the CPU)."""
+        if self.device.type != "cuda":
+            return ready_now
+        written = torch.cuda.Event()
+        written.record()
+        return lambda deadline: wait_event(written, deadline)
 
     def release(self, request_id: str) -> bool:
         """Free a prefill plan's blocks (they stay in the prefix cache) or a reservation."""

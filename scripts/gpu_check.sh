@@ -61,7 +61,7 @@ fi
 $PY -c 'import torch; print("gpu_check:", torch.cuda.get_device_name(), "torch", torch.__version__)'
 
 status=0
-tests=(tests/kernels/triton)
+tests=(tests/kernels/triton tests/transfer/test_cuda_ipc.py)
 if [[ $model == yes ]]; then
   tests+=(tests/engine/test_gpu_engine.py)
 else

@@ -134,8 +134,8 @@ class KVSource:
             or not t.is_contiguous()
         ):
             raise TransferError("a KV source must be a flat contiguous uint8 tensor")
-        if t.device.type != "cpu":
-            raise TransferError(f"a KV source must be in CPU memory, got {t.device}")
+        if t.device.type not in ("cpu", "cuda"):
+            raise TransferError(f"a KV source must be in CPU or CUDA memory, got {t.device}")
         if t.numel() < self.layout.total_bytes:
             raise TransferError(
                 f"a KV source of {t.numel()} bytes cannot hold its {self.layout.total_bytes}-byte "
@@ -298,9 +298,12 @@ class Transport(ABC):
 
     Writers are cached per region and source: ``connect`` with the same handle and source
     returns the same open writer. ``close`` closes every writer and region this transport made.
+    ``source_on_device``: its writers read a GPU engine's own pool (``cuda_ipc``), not the
+    host pool that engine stages its layers into (every other transport).
     """
 
     name: ClassVar[str]
+    source_on_device: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # the two lists below; never held across I/O

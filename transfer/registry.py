@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from transfer.base import Transport
+from transfer.cuda_ipc import CudaIpcTransport
 from transfer.errors import TransferError
 from transfer.shm import ShmTransport
 from transfer.tcp import TcpTransport
@@ -12,11 +13,11 @@ from transfer.tcp import TcpTransport
 _TRANSPORTS: dict[str, type[Transport]] = {
     ShmTransport.name: ShmTransport,
     TcpTransport.name: TcpTransport,
+    CudaIpcTransport.name: CudaIpcTransport,
 }
 # Named in the design, not written yet: asking for one must fail loudly, never fall back.
 _PLANNED = {
     "rdma": "rdma transport not implemented yet",
-    "cuda_ipc": "cuda_ipc transport not implemented yet",
 }
 
 

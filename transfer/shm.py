@@ -168,6 +168,8 @@ class ShmWriter(OwnerThreadWriter):
     host, on the writer's owner thread: the copy *is* the delivery, nothing to confirm."""
 
     def __init__(self, handle: MemoryRegionHandle, source: KVSource, shm_dir: str) -> None:
+        if source.tensor.device.type != "cpu":
+            raise TransferError(f"shm copies from host memory, not {source.tensor.device}")
         super().__init__(handle, source)
         path = handle.address
         name = os.path.basename(path)

@@ -88,6 +88,8 @@ class TcpWriter(OwnerThreadWriter):
         connect_timeout: float,
         congestion: str | None = None,
     ) -> None:
+        if source.tensor.device.type != "cpu":
+            raise TransferError(f"tcp sends from host memory, not {source.tensor.device}")
         super().__init__(handle, source)
         self._address = parse_address(handle.address)
         self._key = key_bytes(handle.key)

@@ -48,6 +48,8 @@ async def _main(cfg: DecodeConfig) -> None:
                 "port": cfg.kv_port,
                 "advertise_host": cfg.worker.advertise_host,
             }
+        elif cfg.transport == "cuda_ipc" and cfg.engine.device.startswith("cuda"):
+            opts = {"device": cfg.engine.device}  # the pool lives on the engine's GPU
         transport = get_transport(cfg.transport, **opts)
         if cfg.transport == "shm":
             # Segments whose owner died without removing them (SIGKILL, a crash): their

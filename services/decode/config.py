@@ -19,7 +19,7 @@ ABOUT = (
     "streams tokens from its continuous batch."
 )
 ROLES = ("decode", "colocated")
-TRANSPORTS = ("shm", "tcp")
+TRANSPORTS = ("shm", "tcp", "cuda_ipc")
 
 
 @dataclass(frozen=True)

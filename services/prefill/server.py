@@ -65,8 +65,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.placement_key = placement_key
         self.transports = transports
         eng = aengine.engine
-        # A GPU engine's pool is staged into a host pool of the same layout (kv_host).
-        self.source = KVSource(eng.kv_host.as_bytes(), KVLayout.from_spec(eng.kv_spec))
+        # A GPU engine's pool is staged into a host pool of the same layout (kv_host) for
+        # the transports that send from host memory; cuda_ipc copies from the pool itself.
+        layout = KVLayout.from_spec(eng.kv_spec)
+        self.sources = {
+            on_device: KVSource((eng.kv if on_device else eng.kv_host).as_bytes(), layout)
+            for on_device in {t.source_on_device for t in transports.values()}
+        }
         self.inflight = 0
         self._releases = Background()
         # Engine keys are per call: a request placed again (a migration, a retry) may reach
@@ -146,7 +151,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         budget = request.deadline_ms / 1000 if request.deadline_ms else DEFAULT_DEADLINE_S
         deadline = arrival + budget
         try:
-            writer = transport.connect(handle, self.source)
+            writer = transport.connect(handle, self.sources[transport.source_on_device])
         except IncompatibleLayoutError as e:
             await _refuse(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except TransferError as e:
@@ -167,7 +172,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             t0 = time.monotonic()
             metrics.QUEUE_TIME.labels(ROLE).observe(t0 - arrival)
             out = await asyncio.wait_for(
-                self.aengine.run_prefill(plan, _layer_writer(self.aengine.engine, job, sent)),
+                self.aengine.run_prefill(
+                    plan, _layer_writer(self.aengine.engine, job, sent, transport)
+                ),
                 deadline - t0,
             )
             computed = time.monotonic()
@@ -238,13 +245,17 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
 
 def _layer_writer(
-    engine: LLMEngine, job: TransferJob, block_ids: tuple[int, ...]
+    engine: LLMEngine, job: TransferJob, block_ids: tuple[int, ...], transport: Transport
 ) -> Callable[[int], None]:
     """The engine-thread hook that hands each computed layer to the transfer: staged to the
-    host pool first when the engine's pool is elsewhere (a GPU's)."""
+    host pool first when the engine's pool is elsewhere (a GPU's), unless the transport
+    reads that pool itself (then only ordered after the layer's KV store)."""
 
     def on_layer_kv(layer: int) -> None:
-        job.write_layer(layer, engine.stage_layer(layer, block_ids))
+        if transport.source_on_device:
+            job.write_layer(layer, engine.layer_written(layer))
+        else:
+            job.write_layer(layer, engine.stage_layer(layer, block_ids))
 
     return on_layer_kv
 

@@ -104,7 +104,7 @@ def serve(conn: Connection, transport: str, opts: dict[str, Any], layout: dict) 
             if message[0] == "verify":
                 _, src_layout, moves, layers = message
                 want = expected_pool(kv_layout, KVLayout.from_dict(src_layout), moves, layers)
-                conn.send(int((region.tensor != want).sum()))
+                conn.send(int((region.tensor.cpu() != want).sum()))
             elif message[0] == "stats":
                 conn.send(region.stats())
             elif message[0] == "close":

@@ -91,10 +91,10 @@ def test_handle_from_non_mapping_is_rejected(garbage: object) -> None:
 
 
 def test_registry_names_known_and_planned_transports() -> None:
-    assert known_transports() == ("shm", "tcp")
+    assert known_transports() == ("cuda_ipc", "shm", "tcp")
     with pytest.raises(TransferError, match="rdma transport not implemented yet"):
         get_transport("rdma")
-    with pytest.raises(TransferError, match="unknown transport 'udp'; known: shm, tcp"):
+    with pytest.raises(TransferError, match="unknown transport 'udp'; known: cuda_ipc, shm, tcp"):
         get_transport("udp")
     with pytest.raises(TransferError, match="bad options for transport 'tcp'"):
         get_transport("tcp", colour="blue")
