@@ -32,7 +32,7 @@ import torch
 from transfer.base import KVRegion, KVSource, Transport
 from transfer.errors import TransferError
 from transfer.handle import KVLayout, MemoryRegionHandle
-from transfer.writer import JobWork, OwnerThreadWriter, lowest_run
+from transfer.writer import JobWork, OwnerThreadWriter
 
 _BYTES_FIELDS = (1, 4, 6)  # handle, ref-counter handle, event handle: bytes in the export
 
@@ -150,15 +150,7 @@ class CudaIpcWriter(OwnerThreadWriter):
             raise TransferError(f"owner {self._pid} of cuda_ipc region is gone")
 
     def _move(self) -> None:
-        for work in list(self._works.values()):
-            while work.pending and not work.done:
-                start, stop = lowest_run(work.pending)
-                try:
-                    self._inject(work)
-                except TransferError as exc:
-                    self._fail(work, exc)
-                    break
-                self._copy(work, start, stop)
+        self._copy_pending(self._copy)
 
     def _copy(self, work: JobWork, start: int, stop: int) -> None:
         """Layers ``[start, stop)`` of ``work``, every block run, on this writer's stream;

@@ -33,7 +33,7 @@ import torch
 from transfer.base import KVRegion, KVSource, Transport
 from transfer.errors import TransferError
 from transfer.handle import KVLayout, MemoryRegionHandle
-from transfer.writer import JobWork, OwnerThreadWriter, lowest_run
+from transfer.writer import JobWork, OwnerThreadWriter
 
 SEGMENT_PREFIX = "pdserve-kv-"
 # Copies are split so a deadline or an abort is noticed within a few milliseconds.
@@ -210,15 +210,7 @@ class ShmWriter(OwnerThreadWriter):
             raise TransferError(f"owner of shm segment {self._path} is gone")
 
     def _move(self) -> None:
-        for work in list(self._works.values()):
-            while work.pending and not work.done:
-                start, stop = lowest_run(work.pending)
-                try:
-                    self._inject(work)
-                except TransferError as exc:
-                    self._fail(work, exc)
-                    break
-                self._copy(work, start, stop)
+        self._copy_pending(self._copy)
 
     def _copy(self, work: JobWork, start: int, stop: int) -> None:
         """Copy layers ``[start, stop)`` of ``work``, run by run, in pieces of about

@@ -181,6 +181,20 @@ class OwnerThreadWriter(RegionWriter):
         """Move what the started jobs have pending (``_moved`` for each layer run taken).
         May take messages in between (``_take_messages``) so an abort stops a long copy."""
 
+    def _copy_pending(self, copy: Callable[[JobWork, int, int], None]) -> None:
+        """The ``_move`` of writers whose copy is the delivery (shm, cuda_ipc): every job's
+        lowest run of pending layers in turn, through ``copy(work, start, stop)`` (which
+        calls ``_moved``), after the fault plan had its say."""
+        for work in list(self._works.values()):
+            while work.pending and not work.done:
+                start, stop = lowest_run(work.pending)
+                try:
+                    self._inject(work)
+                except TransferError as exc:
+                    self._fail(work, exc)
+                    break
+                copy(work, start, stop)
+
     @abstractmethod
     def _end(self, work: JobWork) -> None:
         """Every written layer of an ending job moved: confirm it (``_succeed``) now, or
