@@ -27,6 +27,8 @@ import importlib.util
 need = {"grpc": "grpcio", "google.protobuf": "protobuf", "structlog": "structlog",
         "redis": "redis", "gguf": "gguf", "numpy": "numpy", "uvloop": "uvloop",
         "prometheus_client": "prometheus-client", "triton": "triton",
+        "grpc_health": "grpcio-health-checking", "jinja2": "jinja2",
+        "safetensors": "safetensors", "tokenizers": "tokenizers",
         "transformers": "transformers", "pytest": "pytest", "pytest_asyncio": "pytest-asyncio",
         "pytest_timeout": "pytest-timeout"}
 def absent(name):
