@@ -52,6 +52,16 @@ def rows(folder: Path) -> list[list[str]]:
         pre = engine["prefill"]
         out.append([f"prefill, {pre['tokens']} tokens",
                     f"{pre['ms']:.1f} ms, {pre['tokens_per_s']:.0f} tok/s ({where})"])  # fmt: skip
+    transfer = _load(folder / "gpu-transfer.json")
+    if transfer is None:
+        out.append(["KV transfer from GPU memory", "not run"])
+    else:
+        for row in transfer["transfers"]:
+            out.append([
+                f"KV transfer, {row['transport']}, {row['tokens']} tokens",
+                f"{row['gbs']:.2f} GB/s, {row['ms']:.2f} ms ({transfer['device']}, "
+                f"{transfer['dtype']})",
+            ])  # fmt: skip
     return out
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check of issue 17, as one prepared run: the GPU tests, the decode attention
-# kernel against the device's copy bandwidth, and the engine's step times, written to one
-# folder as JSON files plus summary.md (a table). Budget: under 8 minutes on one GPU.
+# kernel against the device's copy bandwidth, KV transfer from GPU memory per transport and
+# the engine's step times, written to one folder as JSON files plus summary.md (a table).
+# Budget: under 8 minutes on one GPU.
 #
 #   bash scripts/gpu_check.sh [FOLDER]        (default: gpu-check/)
 #
@@ -74,6 +75,7 @@ fi
 timeout 300 $PY -m pytest -q -p no:cacheprovider -m "gpu or not slow" "${tests[@]}" -rs \
   --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log" || status=1
 timeout 120 $PY -m bench.gpu_kernels --json "$out/gpu-kernels.json" || status=1
+timeout 120 $PY -m bench.gpu_transfer --json "$out/gpu-transfer.json" || status=1
 if [[ $model == yes ]]; then
   timeout 180 $PY -m bench.gpu_engine --json "$out/gpu-engine.json" || status=1
 fi

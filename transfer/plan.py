@@ -77,7 +77,8 @@ def plan_blocks(
     """The runs that copy ``src_block_ids[i]`` to ``dst_block_ids[i]`` in every layer.
 
     Raises ``IncompatibleLayoutError`` when the layouts cannot exchange blocks and
-    ``TransferError`` for unequal id lists or ids outside either pool.
+    ``TransferError`` for unequal id lists, ids outside either pool, or a destination id
+    named twice.
     """
     src_layout.check_compatible(dst_layout)
     if len(src_block_ids) != len(dst_block_ids):
@@ -86,6 +87,9 @@ def plan_blocks(
         )
     _check_ids("source", src_block_ids, src_layout.num_blocks)
     _check_ids("destination", dst_block_ids, dst_layout.num_blocks)
+    if len(set(dst_block_ids)) != len(dst_block_ids):
+        twice = next(d for i, d in enumerate(dst_block_ids) if d in dst_block_ids[:i])
+        raise TransferError(f"destination block {twice} named twice: two would race into it")
     runs: list[tuple[int, int, int]] = []  # (first src id, first dst id, blocks)
     for s, d in zip(src_block_ids, dst_block_ids, strict=True):
         if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:

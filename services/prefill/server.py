@@ -124,6 +124,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                     f"kv_destination block id {outside[0]} outside the region's "
                     f"{handle.layout.num_blocks} blocks"
                 )
+            twice = [b for i, b in enumerate(dst_ids) if b in dst_ids[:i]]
+            if twice:
+                raise InvalidRequestError(f"kv_destination names block {twice[0]} twice")
             need = self.aengine.engine.blocks.blocks_needed(len(ids) + len(resumed))
             if len(dst_ids) != need:
                 raise InvalidRequestError(

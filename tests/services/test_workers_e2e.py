@@ -394,14 +394,18 @@ def region(default_checkpoint):
         transport.close()
 
 
-def _prefill_request(region, present: int) -> worker_pb2.PrefillRequest:
+def _prefill_request(
+    region, present: int, block_ids: tuple[int, ...] = (2, 3)
+) -> worker_pb2.PrefillRequest:
     return worker_pb2.PrefillRequest(
-        request_id=f"present-{present}",
+        request_id=f"present-{present}-{block_ids}",
         prompt_token_ids=list(range(200, 232)),  # 32 tokens: 2 blocks
         sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0),
         deadline_ms=30_000,
         kv_destination=worker_pb2.KVDestination(
-            region=handle_to_proto(region.handle), block_ids=[2, 3], num_present_tokens=present
+            region=handle_to_proto(region.handle),
+            block_ids=block_ids,
+            num_present_tokens=present,
         ),
     )
 
@@ -417,6 +421,10 @@ async def test_prefill_writes_only_the_blocks_after_num_present_tokens(cluster, 
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, present
             assert "num_present_tokens is" in (e.value.details() or ""), e.value.details()
             assert kv_fenced(e.value)  # refused before any writer began
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Prefill(_prefill_request(region, 0, (3, 3)), timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "names block 3 twice" in (e.value.details() or ""), e.value.details()
         await asyncio.sleep(0.3)  # nothing still in flight lands later either
         assert not region.tensor.any(), "a refused prefill wrote into the destination"
         reply = await stub.Prefill(_prefill_request(region, 16), timeout=60)

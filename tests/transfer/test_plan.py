@@ -91,6 +91,8 @@ def test_incompatible_layouts_are_refused(change: dict) -> None:
         ([0, 1, 2], [-1, 0, 1], 0, "destination block id -1 outside"),
         ([0, 1], [True, 2], 0, "destination block id True is not an int"),
         ([0, 1.0], [1, 2], 0, "source block id 1.0 is not an int"),
+        ([0, 1, 2], [4, 6, 4], 0, "destination block 4 named twice"),
+        ([0, 1], [3, 3], 0, "destination block 3 named twice"),
         ([0], [0], 4, "layer 4 outside"),
         ([0], [0], -1, "layer -1 outside"),
     ],
