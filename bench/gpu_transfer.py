@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     max_tokens = max(args.tokens)
     blocks = -(-max_tokens // LAYOUT["block_size"])
     src_layout = KVLayout(num_blocks=blocks, dtype=args.dtype, **LAYOUT)
-    dst_layout = KVLayout(num_blocks=3 * blocks + 2, dtype=args.dtype, **LAYOUT)
+    dst_layout = KVLayout(num_blocks=2 * blocks + 1, dtype=args.dtype, **LAYOUT)
     spec = src_layout.to_spec()
     pool = KVCache(spec, device=device)
     pool.as_bytes().copy_(_pattern(spec.total_bytes, device))
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                 n = -(-tokens // LAYOUT["block_size"])
                 src_ids = list(range(n))
                 # scattered destination runs, as in a fragmented decode pool
-                dst_ids = [3 * i + i % 2 for i in range(n)]
+                dst_ids = [2 * i + i % 2 for i in range(n)]
                 times = []
                 for repeat in range(args.repeats + 1):  # the first is the warm-up
                     start = time.perf_counter()
@@ -156,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192])
+    p.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 4096])
     p.add_argument("--transports", nargs="+", default=None,
                    help="default: shm tcp, and cuda_ipc on cuda")  # fmt: skip
     p.add_argument("--repeats", type=int, default=10)

@@ -15,7 +15,8 @@ from tests.engine.tiny_models import write_tiny_hf_checkpoint
 def test_it_times_decode_per_batch_and_prefill(tmp_path: Path) -> None:
     model = write_tiny_hf_checkpoint(tmp_path / "tiny", seed=2)
     out = tmp_path / "engine.json"
-    argv = ["--model", str(model), "--device", "cpu", "--batches", "1", "3", "--context", "40",
+    # a prefill longer than the decode contexts, as the GPU defaults are (2,048 vs 512)
+    argv = ["--model", str(model), "--device", "cpu", "--batches", "1", "3", "--context", "20",
             "--prefill-tokens", "48", "--iters", "2", "--json", str(out)]  # fmt: skip
     assert gpu_engine.main(argv) == 0
     result = json.loads(out.read_text())
