@@ -74,7 +74,7 @@ def _peer(conn: Connection, transports: list[str], layout: dict[str, Any], devic
 
 def run(args: argparse.Namespace) -> dict[str, object]:
     from engine.kv_cache import KVCache
-    from engine.kv_staging import KVStaging, ready_now, wait_event
+    from engine.kv_staging import KVStaging, after_enqueued
     from transfer import KVLayout, KVSource, MemoryRegionHandle, get_transport
 
     device = torch.device(args.device)
@@ -120,14 +120,10 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                     job = writer.begin(f"{name}-{tokens}-{repeat}", src_ids, dst_ids,
                                        deadline=time.monotonic() + 60)  # fmt: skip
                     for layer in range(src_layout.num_layers):
-                        if not on_device:
-                            ready = staging.stage_layer(layer, src_ids)
-                        elif device.type == "cuda":
-                            event = torch.cuda.Event()
-                            event.record()
-                            ready = lambda deadline, e=event: wait_event(e, deadline)  # noqa: E731
+                        if on_device:
+                            ready = after_enqueued(device)
                         else:
-                            ready = ready_now
+                            ready = staging.stage_layer(layer, src_ids)
                         job.write_layer(layer, ready)
                     result = job.finish().result(120)
                     times.append(time.perf_counter() - start)

@@ -41,6 +41,16 @@ def ready_now(deadline: float) -> bool:
     return True
 
 
+def after_enqueued(device: torch.device) -> LayerReady:
+    """Ready once what ``device``'s current stream has enqueued so far has run (at once off
+    CUDA, where nothing runs asynchronously)."""
+    if device.type != "cuda":
+        return ready_now
+    done = torch.cuda.Event()
+    done.record()
+    return lambda deadline: wait_event(done, deadline)
+
+
 class KVStaging:
     """Moves blocks between ``device_kv`` and ``host_kv`` (equal specs). Engine thread only."""
 

@@ -23,7 +23,7 @@ from engine.checkpoint import Checkpoint, load_checkpoint
 from engine.device import DTYPES, resolve_device, resolve_dtype
 from engine.errors import CapacityError, InvalidRequestError, ResourceExhaustedError
 from engine.kv_cache import KVCache, KVCacheSpec
-from engine.kv_staging import KVStaging, LayerReady, ready_now, wait_event
+from engine.kv_staging import KVStaging, LayerReady, after_enqueued, ready_now
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor, RequestOutput
@@ -452,11 +452,7 @@ class LLMEngine:
         """Engine thread, inside ``run_prefill``'s ``on_layer_kv(layer)``: when a reader of
         the device pool itself (``cuda_ipc``) may read ``layer``'s KV: after what the
         compute stream has enqueued so far (at once on the CPU)."""
-        if self.device.type != "cuda":
-            return ready_now
-        written = torch.cuda.Event()
-        written.record()
-        return lambda deadline: wait_event(written, deadline)
+        return after_enqueued(self.device)
 
     def release(self, request_id: str) -> bool:
         """Free a prefill plan's blocks (they stay in the prefix cache) or a reservation."""

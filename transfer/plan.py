@@ -68,6 +68,16 @@ def _check_ids(side: str, block_ids: Sequence[int], num_blocks: int) -> None:
             raise TransferError(f"{side} block id {block_id} outside [0, {num_blocks})")
 
 
+def first_repeat(block_ids: Sequence[int]) -> int | None:
+    """The first id that ``block_ids`` names a second time, or None."""
+    seen: set[int] = set()
+    for block_id in block_ids:
+        if block_id in seen:
+            return block_id
+        seen.add(block_id)
+    return None
+
+
 def plan_blocks(
     src_layout: KVLayout,
     dst_layout: KVLayout,
@@ -87,8 +97,8 @@ def plan_blocks(
         )
     _check_ids("source", src_block_ids, src_layout.num_blocks)
     _check_ids("destination", dst_block_ids, dst_layout.num_blocks)
-    if len(set(dst_block_ids)) != len(dst_block_ids):
-        twice = next(d for i, d in enumerate(dst_block_ids) if d in dst_block_ids[:i])
+    twice = first_repeat(dst_block_ids)
+    if twice is not None:
         raise TransferError(f"destination block {twice} named twice: two would race into it")
     runs: list[tuple[int, int, int]] = []  # (first src id, first dst id, blocks)
     for s, d in zip(src_block_ids, dst_block_ids, strict=True):

@@ -325,7 +325,8 @@ class OwnerThreadWriter(RegionWriter):
         self._works[job.request_id] = work
 
     def _on_layer(self, work: JobWork, arg: object) -> None:
-        layer, ready = arg if isinstance(arg, tuple) else (arg, None)
+        assert isinstance(arg, tuple)  # (layer, ready): what write_layer posts
+        layer, ready = arg
         try:
             check_layer(layer, work.job.plan.num_layers)
         except TransferError as exc:

@@ -93,12 +93,11 @@ class EngineArgs:
         if self.chunked_prefill < 0:
             raise ValueError(f"chunked_prefill must be >= 0, got {self.chunked_prefill}")
 
-    def weight_format(self, role: str, device: str | None = None, dtype: str | None = None) -> str:
+    def weight_format(self, role: str, device: str, dtype: str) -> str:
         """The weight format an engine in ``role`` (prefill, decode, colocated) loads on
-        ``device`` in ``dtype`` (the resolved ones; by default this config's)."""
+        ``device`` (its type: cpu, cuda) in ``dtype``, both resolved (never ``auto``)."""
         if self.weights != "auto":
             return self.weights
-        device, dtype = device or self.device, dtype or self.dtype
         if device != "cpu" or dtype != "float32":
             return "float32"  # packed weights run on the CPU, in float32 only
         return AUTO_WEIGHTS[role]

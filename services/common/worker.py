@@ -8,6 +8,7 @@ requests (the rest of the shell is ``services.common.process``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 import time
 from collections.abc import Callable
@@ -56,8 +57,9 @@ def build_engine(
     config = args.engine_config(tuning.engine_cpus, role)
     if role == "prefill" and kv_memory is None:
         # The pool the transfer reads: the engine's own on the CPU, else a host pool its
-        # layers are staged into (engine/kv_staging.py).
-        kv_memory = host_pool_memory
+        # layers are staged into (engine/kv_staging.py), page-locked for a GPU's copies.
+        pinned = config.torch_device.type == "cuda"
+        kv_memory = functools.partial(host_pool_memory, pinned=pinned)
     engine = LLMEngine(config, kv_memory=kv_memory)
     if config.cpu_kernels:
         # Loaded (compiled, on a machine's first run) now, before READY: not by the first
@@ -72,10 +74,10 @@ def build_engine(
     return AsyncEngine(engine, **tuning.engine_options(), **options)
 
 
-def host_pool_memory(spec: KVCacheSpec) -> torch.Tensor:
-    """Zeroed host memory for a KV pool: page-locked where CUDA is present, so device <->
-    host copies of staged layers run asynchronously at full speed."""
-    return torch.zeros(spec.total_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+def host_pool_memory(spec: KVCacheSpec, *, pinned: bool = True) -> torch.Tensor:
+    """Zeroed host memory for a KV pool; ``pinned``: page-locked (needs CUDA), so a GPU
+    engine's copies of staged layers run asynchronously at full speed."""
+    return torch.zeros(spec.total_bytes, dtype=torch.uint8, pin_memory=pinned)
 
 
 def _mib(n: int) -> float:

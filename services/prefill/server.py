@@ -41,6 +41,7 @@ from services.common.placement_token import PlacementTokenError, verify_write
 from transfer.base import KVSource, TransferJob, TransferResult, Transport
 from transfer.errors import IncompatibleLayoutError, TransferError
 from transfer.handle import KVLayout
+from transfer.plan import first_repeat
 
 log = structlog.get_logger(__name__)
 
@@ -124,9 +125,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                     f"kv_destination block id {outside[0]} outside the region's "
                     f"{handle.layout.num_blocks} blocks"
                 )
-            twice = [b for i, b in enumerate(dst_ids) if b in dst_ids[:i]]
-            if twice:
-                raise InvalidRequestError(f"kv_destination names block {twice[0]} twice")
+            twice = first_repeat(dst_ids)
+            if twice is not None:
+                raise InvalidRequestError(f"kv_destination names block {twice} twice")
             need = self.aengine.engine.blocks.blocks_needed(len(ids) + len(resumed))
             if len(dst_ids) != need:
                 raise InvalidRequestError(

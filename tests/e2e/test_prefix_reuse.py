@@ -10,7 +10,6 @@ a repeated prefix to the worker that holds it.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 import urllib.request
 
@@ -21,6 +20,7 @@ from bench.prefix.probe import ask, format_rounds, run_rounds, system_prompt
 from services.launcher import Stack, free_port
 from services.up import launch, load_up_config
 from tests.e2e.supervision import supervised
+from tests.scrape import metric_in
 
 ROUNDS = 4
 PREFIXES = 4
@@ -62,11 +62,10 @@ def fleet_known(metrics_url: str, **by_role: int) -> bool:
             text = resp.read().decode()
     except OSError:
         return False
-    for role, n in by_role.items():
-        match = re.search(rf'^pdserve_scheduler_workers{{role="{role}"}} (\S+)$', text, re.M)
-        if match is None or float(match.group(1)) != n:
-            return False
-    return True
+    return all(
+        metric_in(text, "pdserve_scheduler_workers", f'role="{role}"', absent=-1) == n
+        for role, n in by_role.items()
+    )
 
 
 def client_of(endpoints) -> openai.AsyncOpenAI:
