@@ -1,14 +1,11 @@
 """Linear layers over GGUF-quantized weights kept as packed blocks, and their checking launchers.
 
 A ``QuantizedWeight`` is a checkpoint tensor's bytes as stored (llama.cpp's block layout),
-viewed as ``[out_features, row_bytes]``. ``qlinear`` runs ``csrc/quant_linear.cpp``: it rounds
-each 32-element chunk of ``x`` to 16-bit integers on the chunk's own scale and multiplies
-them by the blocks' integer codes (exact int32 sums, float32 scales and offsets), reading
-every weight byte once per call. The rounding is the only difference from float32's product:
-at most 1.5e-5 of a chunk's largest ``|x|`` per element (~2e-5 of a product's largest output
-on random data; llama.cpp rounds to 8 bits). ``dequantize`` gives the dense float32 weight,
-element for element equal to ``gguf.quants.dequantize`` (the same float32 operations in the
-same order): the large products, and ``--weights float32``, use the checkpoint's numbers.
+viewed as ``[out_features, row_bytes]``. ``qlinear`` runs ``csrc/quant_linear.cpp``: it
+dequantizes each block in registers and accumulates in float32, reading every weight byte
+once per call. ``dequantize`` gives the dense float32 weight, element for element equal to
+``gguf.quants.dequantize`` (the same float32 operations in the same order), which is what
+makes a quantized worker compute with the same numbers as a float32 one.
 
 ``QuantLinear`` is the engine's layer (the interface of ``kernels.linear.PackedLinear``).
 Types with a kernel: ``KERNEL_TYPES``; anything else stays dense (the loader decides).

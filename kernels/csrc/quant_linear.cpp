@@ -4,28 +4,17 @@
 //   dequantize(out, w):  out[n, k] = W[n, k]
 //
 // W is the checkpoint's bytes as stored: row n is K / block_elems blocks of llama.cpp's
-// layout (Q8_0, Q4_0, Q4_1: 32 elements per block; Q4_K, Q6_K: 256 per super-block).
+// layout (Q8_0, Q4_0, Q4_1: 32 elements per block; Q4_K, Q6_K: 256 per super-block). A
+// weight is dequantized 8 elements at a time in registers, with the same float32
+// operations in the same order as gguf-py's numpy reference, so a dequantized element is
+// bit-identical to the float32 checkpoint's.
 //
-// dequantize: a weight is dequantized 8 elements at a time in registers, with the same
-// float32 operations in the same order as gguf-py's numpy reference, so a dequantized
-// element is bit-identical to the float32 checkpoint's.
-//
-// qlinear multiplies in integers. Every 32-element chunk of a row of x is rounded to 16-bit
-// integers on its own scale (s = max|x| / 32767, xq = round(x / s)), and each weight chunk
-// is its integer codes q with float scales: w = d q + m (Q6_K: a d per 16 elements). So
-//
-//   sum(x w) ~= s d sum(xq q) + m sum(x),
-//
-// where sum(xq q) is exact in int32 (two 16-bit products per instruction) and sum(x) is the
-// float32 sum of the chunk. The only error against float32 is the rounding of x: at most
-// s / 2 per element, i.e. 1.5e-5 of the chunk's largest |x| (llama.cpp rounds x to 8 bits,
-// 256x coarser). What it buys: half the instructions of dequantizing into float32 vectors.
+// A product takes each chunk's scale (and min) out of its sum where the type has one per
+// 32 elements (Q8_0, Q4_0, Q4_1, Q4_K): sum(x w) = d sum(x q) + m sum(x).
 //
 // Work is split over output columns (rows of W): each weight byte is read once per call,
-// whatever M is. Up to MR input rows share each unpacked weight chunk, so batches of 2..64
-// pay for unpacking once per MR (8) rows. Chunks are taken in pairs, each pair's two terms
-// summed before they join the row's accumulator: the same order for every row count, so a
-// row's output does not depend on the batch it is in.
+// whatever M is. Up to MR input rows share each dequantized vector (rows of x stay in
+// cache), so batches of 2..64 pay for dequantization once per MR (8) rows, not per row.
 //
 // Shapes and dtypes are checked by the Python launcher (kernels/quant_linear.py):
 //   x   [M, K]                 float32, contiguous
@@ -35,7 +24,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -168,112 +156,19 @@ void chunk_scalar(int64_t t, const uint8_t* row, int64_t c, float* y) {
   }
 }
 
-// ---- activations: each 32-element chunk as 16-bit integers on its own scale ------------
-
-// A chunk whose largest |x| is below this is taken as zero: 32767 / amax would overflow.
-constexpr float kTinyChunk = 1e-30f;
-
-struct Activations {
-  int64_t chunks;               // per row: K / 32
-  std::vector<int16_t> q;       // [M, K]
-  std::vector<float> scale;     // [M, chunks]: s, x ~= s * q
-  std::vector<float> sum;       // [M, chunks]: sum of the chunk's x (float32, in order)
-};
-
-void quantize_chunk_scalar(const float* x, int16_t* q, float& scale, float& sum) {
-  float amax = 0.f, s = 0.f;
-  for (int i = 0; i < 32; ++i) {
-    amax = std::max(amax, std::fabs(x[i]));
-    s += x[i];
-  }
-  const float inv = amax >= kTinyChunk ? 32767.f / amax : 0.f;
-  for (int i = 0; i < 32; ++i) q[i] = static_cast<int16_t>(std::nearbyint(x[i] * inv));
-  scale = amax >= kTinyChunk ? amax / 32767.f : 0.f;
-  sum = s;
-}
-
-// ---- portable path: one 32-element weight chunk as integer codes ----------------------------
-// Chunk c of a row: codes q[32] with w = d[i / 16] * q + m. Mirrors chunk_scalar's decoding.
-
-struct IntChunk {
-  int16_t q[32];
-  float d[2];  // scale of elements 0..15 and 16..31
-  float m;     // offset (0 for types without one)
-};
-
-void int_chunk_scalar(int64_t t, const uint8_t* row, int64_t c, IntChunk& k) {
-  k.m = 0.f;
-  switch (t) {
-    case Q8_0: {
-      const uint8_t* b = row + c * 34;
-      k.d[0] = k.d[1] = half_to_float(b);
-      for (int i = 0; i < 32; ++i) k.q[i] = static_cast<int8_t>(b[2 + i]);
-      return;
-    }
-    case Q4_0:
-    case Q4_1: {
-      const bool min = t == Q4_1;
-      const uint8_t* b = row + c * (min ? 20 : 18);
-      k.d[0] = k.d[1] = half_to_float(b);
-      const uint8_t* qs = b + (min ? 4 : 2);
-      if (min) k.m = half_to_float(b + 2);
-      const int bias = min ? 0 : 8;
-      for (int i = 0; i < 16; ++i) {
-        k.q[i] = static_cast<int16_t>((qs[i] & 0xF) - bias);
-        k.q[i + 16] = static_cast<int16_t>((qs[i] >> 4) - bias);
-      }
-      return;
-    }
-    case Q4_K: {
-      const uint8_t* b = row + (c / 8) * 144;
-      const int64_t j = c % 8;
-      int sc, mn;
-      q4k_scale_min(b + 4, j, sc, mn);
-      k.d[0] = k.d[1] = half_to_float(b) * static_cast<float>(sc);
-      k.m = -(half_to_float(b + 2) * static_cast<float>(mn));
-      const uint8_t* q = b + 16 + (j / 2) * 32;
-      const int shift = (j % 2) * 4;
-      for (int i = 0; i < 32; ++i) k.q[i] = static_cast<int16_t>((q[i] >> shift) & 0xF);
-      return;
-    }
-    case Q6_K: {
-      const uint8_t* b = row + (c / 8) * 210;
-      const int64_t j = c % 8, h = j / 4, t4 = j % 4;
-      const uint8_t* ql = b + 64 * h + (t4 % 2) * 32;
-      const uint8_t* qh = b + 128 + 32 * h;
-      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * h + 2 * t4;
-      const float d = half_to_float(b + 208);
-      const int lshift = (t4 / 2) * 4, hshift = 2 * t4;
-      k.d[0] = d * static_cast<float>(sc[0]);
-      k.d[1] = d * static_cast<float>(sc[1]);
-      for (int i = 0; i < 32; ++i)
-        k.q[i] = static_cast<int16_t>((((ql[i] >> lshift) & 0xF) | (((qh[i] >> hshift) & 3) << 4)) - 32);
-      return;
-    }
-    default: TORCH_CHECK(false, "quantization type ", t, " has no kernel");
-  }
-}
-
-// One chunk's term for one row: s (d0 sum(xq q)[0:16] + d1 sum(xq q)[16:32]) + m sum(x).
-inline float chunk_term(const IntChunk& k, const int16_t* xq, float s, float xsum) {
-  int32_t lo = 0, hi = 0;
-  for (int i = 0; i < 16; ++i) lo += static_cast<int32_t>(k.q[i]) * xq[i];
-  for (int i = 16; i < 32; ++i) hi += static_cast<int32_t>(k.q[i]) * xq[i];
-  return s * (k.d[0] * static_cast<float>(lo) + k.d[1] * static_cast<float>(hi)) + k.m * xsum;
-}
-
-void row_dot_scalar(int64_t t, const uint8_t* row, int64_t K, const Activations& a, int64_t M,
-                    float* out, int64_t ldo) {
-  const int64_t chunks = K / 32;
-  IntChunk k;
+void row_dot_scalar(int64_t t, const uint8_t* row, int64_t K, const float* x, int64_t M,
+                    int64_t ldx, float* out, int64_t ldo) {
+  float w[32];
   for (int64_t m0 = 0; m0 < M; m0 += MR) {
     const int64_t mr = std::min(MR, M - m0);
     float acc[MR] = {};
-    for (int64_t c = 0; c < chunks; ++c) {
-      int_chunk_scalar(t, row, c, k);
-      for (int64_t r = m0; r < m0 + mr; ++r) {
-        const int64_t rc = r * chunks + c;
-        acc[r - m0] += chunk_term(k, a.q.data() + r * K + 32 * c, a.scale[rc], a.sum[rc]);
+    for (int64_t c = 0; c < K / 32; ++c) {
+      chunk_scalar(t, row, c, w);
+      for (int64_t r = 0; r < mr; ++r) {
+        const float* xr = x + (m0 + r) * ldx + 32 * c;
+        float s = 0.f;
+        for (int i = 0; i < 32; ++i) s += w[i] * xr[i];
+        acc[r] += s;
       }
     }
     for (int64_t r = 0; r < mr; ++r) out[(m0 + r) * ldo] = acc[r];
@@ -281,7 +176,7 @@ void row_dot_scalar(int64_t t, const uint8_t* row, int64_t K, const Activations&
 }
 
 #ifdef PDSERVE_AVX2
-// ---- AVX2 dequantization: one 32-element chunk into four vectors of 8 -------------------
+// ---- AVX2 path: one 32-element chunk into four vectors of 8 --------------------------------
 
 inline float half_f16c(const uint8_t* p) {
   uint16_t h;
@@ -378,7 +273,47 @@ inline void chunk_avx2(const uint8_t* row, int64_t c, __m256 w[4]) {
   }
 }
 
-// ---- AVX2 products: integer chunks --------------------------------------------------------
+// Types whose 32-element chunk has one scale d and one offset m (w = d * q + m): their
+// products take d and m out of the sum, sum(x w) = d sum(x q) + m sum(x), which saves two
+// operations per 8 weights. (Q6_K has a scale per 16 elements and keeps the dequantized
+// vectors.) Only the order of float32 operations differs from dequantize-then-multiply.
+template <int64_t t>
+constexpr bool kFactored = t == Q8_0 || t == Q4_0 || t == Q4_1 || t == Q4_K;
+template <int64_t t>
+constexpr bool kHasMin = t == Q4_1 || t == Q4_K;
+
+template <int64_t t>
+inline void chunk_q(const uint8_t* row, int64_t c, __m256 q[4], float& d, float& m) {
+  const __m256i lo4 = _mm256_set1_epi32(0xF);
+  if constexpr (t == Q8_0) {
+    const uint8_t* b = row + c * 34;
+    d = half_f16c(b);
+    m = 0.f;
+    for (int v = 0; v < 4; ++v) q[v] = _mm256_cvtepi32_ps(load8_i8(b + 2 + 8 * v));
+  } else if constexpr (t == Q4_0 || t == Q4_1) {
+    const int64_t size = t == Q4_0 ? 18 : 20, off = t == Q4_0 ? 2 : 4;
+    const uint8_t* b = row + c * size;
+    d = half_f16c(b);
+    m = t == Q4_1 ? half_f16c(b + 2) : 0.f;
+    const __m256i bias = _mm256_set1_epi32(t == Q4_0 ? 8 : 0);
+    for (int v = 0; v < 2; ++v) {
+      const __m256i qi = load8_u8(b + off + 8 * v);
+      q[v] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(qi, lo4), bias));
+      q[v + 2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(qi, 4), bias));
+    }
+  } else if constexpr (t == Q4_K) {
+    const uint8_t* b = row + (c / 8) * 144;
+    const int64_t j = c % 8;
+    int sc, mn;
+    q4k_scale_min(b + 4, j, sc, mn);
+    d = half_f16c(b) * static_cast<float>(sc);
+    m = -(half_f16c(b + 2) * static_cast<float>(mn));
+    const uint8_t* qs = b + 16 + (j / 2) * 32;
+    const __m128i sh = _mm_cvtsi32_si128(static_cast<int>(j % 2) * 4);
+    for (int v = 0; v < 4; ++v)
+      q[v] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(load8_u8(qs + 8 * v), sh), lo4));
+  }
+}
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -387,197 +322,92 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-inline void quantize_chunk_avx2(const float* x, int16_t* q, float& scale, float& sum) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 v[4];
-  __m256 mx = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_loadu_ps(x + 8 * i);
-    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
-  }
-  sum = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-  const __m256 inv = _mm256_set1_ps(amax >= kTinyChunk ? 32767.f / amax : 0.f);
-  scale = amax >= kTinyChunk ? amax / 32767.f : 0.f;
-  __m256i r[4];
-  for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
-  // packs interleaves 128-bit lanes; the permute puts the 16 values back in order.
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
-                      _mm256_permute4x64_epi64(_mm256_packs_epi32(r[0], r[1]), 0xD8));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16),
-                      _mm256_permute4x64_epi64(_mm256_packs_epi32(r[2], r[3]), 0xD8));
-}
-
-// One weight chunk: codes of elements 0..15 (lo) and 16..31 (hi) as int16, w = d q + m.
-struct WChunk {
-  __m256i lo, hi;
-  float d0, d1, m;  // d0 == d1 except for Q6_K
-};
-
-template <int64_t t>
-constexpr bool kHasMin = t == Q4_1 || t == Q4_K;
-template <int64_t t>
-constexpr bool kOneScale = t != Q6_K;  // one d for the whole chunk
-
-inline __m128i load16(const uint8_t* p) {
-  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-}
-
-template <int64_t t>
-inline WChunk int_chunk_avx2(const uint8_t* row, int64_t c) {
-  const __m128i lo4 = _mm_set1_epi8(0xF);
-  WChunk k;
-  k.m = 0.f;
-  if constexpr (t == Q8_0) {
-    const uint8_t* b = row + c * 34;
-    k.d0 = k.d1 = half_f16c(b);
-    k.lo = _mm256_cvtepi8_epi16(load16(b + 2));
-    k.hi = _mm256_cvtepi8_epi16(load16(b + 18));
-  } else if constexpr (t == Q4_0 || t == Q4_1) {
-    const uint8_t* b = row + c * (t == Q4_1 ? 20 : 18);
-    uint32_t dm;
-    std::memcpy(&dm, b, 4);
-    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm)));
-    k.d0 = k.d1 = _mm_cvtss_f32(f);
-    const __m128i qs = load16(b + (t == Q4_1 ? 4 : 2));
-    __m128i lo = _mm_and_si128(qs, lo4), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), lo4);
-    if constexpr (t == Q4_1) {
-      k.m = _mm_cvtss_f32(_mm_movehdup_ps(f));
-      k.lo = _mm256_cvtepu8_epi16(lo);
-      k.hi = _mm256_cvtepu8_epi16(hi);
-    } else {
-      const __m128i eight = _mm_set1_epi8(8);
-      k.lo = _mm256_cvtepi8_epi16(_mm_sub_epi8(lo, eight));
-      k.hi = _mm256_cvtepi8_epi16(_mm_sub_epi8(hi, eight));
-    }
-  } else if constexpr (t == Q4_K) {
-    const uint8_t* b = row + (c / 8) * 144;
-    const int64_t j = c % 8;
-    int sc, mn;
-    q4k_scale_min(b + 4, j, sc, mn);
-    k.d0 = k.d1 = half_f16c(b) * static_cast<float>(sc);
-    k.m = -(half_f16c(b + 2) * static_cast<float>(mn));
-    const uint8_t* qs = b + 16 + (j / 2) * 32;
-    const __m128i sh = _mm_cvtsi32_si128(static_cast<int>(j % 2) * 4);
-    k.lo = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srl_epi16(load16(qs), sh), lo4));
-    k.hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srl_epi16(load16(qs + 16), sh), lo4));
-  } else if constexpr (t == Q6_K) {
-    const uint8_t* b = row + (c / 8) * 210;
-    const int64_t j = c % 8, h = j / 4, t4 = j % 4;
-    const uint8_t* ql = b + 64 * h + (t4 % 2) * 32;
-    const uint8_t* qh = b + 128 + 32 * h;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * h + 2 * t4;
-    const float d = half_f16c(b + 208);
-    k.d0 = d * static_cast<float>(sc[0]);
-    k.d1 = d * static_cast<float>(sc[1]);
-    const __m128i ls = _mm_cvtsi32_si128(static_cast<int>(t4 / 2) * 4);
-    const __m128i hs = _mm_cvtsi32_si128(static_cast<int>(2 * t4));
-    const __m128i three = _mm_set1_epi8(3), bias = _mm_set1_epi8(32);
-    __m128i q[2];
-    for (int v = 0; v < 2; ++v) {
-      const __m128i l = _mm_and_si128(_mm_srl_epi16(load16(ql + 16 * v), ls), lo4);
-      const __m128i u = _mm_and_si128(_mm_srl_epi16(load16(qh + 16 * v), hs), three);
-      q[v] = _mm_sub_epi8(_mm_or_si128(l, _mm_slli_epi16(u, 4)), bias);
-    }
-    k.lo = _mm256_cvtepi8_epi16(q[0]);
-    k.hi = _mm256_cvtepi8_epi16(q[1]);
-  }
-  return k;
-}
-
-inline __m256i madd16(__m256i w, const int16_t* x) {
-  return _mm256_madd_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-}
-
-// s d sum(xq q) of one chunk for one row, as 8 lanes; `add` joins it with fma where it can.
-template <int64_t t>
-inline __m256 chunk_term_avx2(const WChunk& k, const int16_t* xq, float s, __m256 add) {
-  if constexpr (kOneScale<t>) {
-    const __m256i p = _mm256_add_epi32(madd16(k.lo, xq), madd16(k.hi, xq + 16));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s * k.d0), add);
-  } else {
-    const __m256 hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(madd16(k.hi, xq + 16)),
-                                      _mm256_set1_ps(s * k.d1), add);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(madd16(k.lo, xq)), _mm256_set1_ps(s * k.d0), hi);
-  }
-}
-
-// Rows [0, R) of the activations against one row of W: each unpacked chunk feeds R rows.
-// q, scale and sum point at the first of the R rows (row strides K and chunks).
+// Rows [m0, m0 + R) of x against one row of W: each dequantized chunk feeds R rows.
 template <int64_t t, int R>
-inline void row_dot_avx2(const uint8_t* row, int64_t K, const int16_t* q, const float* scale,
-                         const float* sum, float* out, int64_t ldo) {
-  const int64_t chunks = K / 32;
+inline void row_dot_avx2(const uint8_t* row, int64_t K, const float* x, int64_t ldx,
+                         const float* xsum, float* out, int64_t ldo) {
   __m256 acc[R];
   float macc[R];
   for (int r = 0; r < R; ++r) {
     acc[r] = _mm256_setzero_ps();
     macc[r] = 0.f;
   }
+  __m256 w[4];
+  const int64_t chunks = K / 32;
   // Weights stream from memory once per call: ask for the bytes PREFETCH ahead (past this
   // row's end that is the next row's start) so the loads overlap the arithmetic.
   constexpr int64_t chunk_bytes = layout_of(t).bytes * 32 / layout_of(t).elems;
-  const __m256 zero = _mm256_setzero_ps();
-  int64_t c = 0;
-  for (; c + 2 <= chunks; c += 2) {
+  for (int64_t c = 0; c < chunks; ++c) {
     _mm_prefetch(reinterpret_cast<const char*>(row + c * chunk_bytes + PREFETCH), _MM_HINT_T0);
-    const WChunk k0 = int_chunk_avx2<t>(row, c), k1 = int_chunk_avx2<t>(row, c + 1);
-    for (int r = 0; r < R; ++r) {
-      const int16_t* xr = q + r * K + 32 * c;
-      const float* sr = scale + r * chunks + c;
-      const __m256 pair = chunk_term_avx2<t>(k0, xr, sr[0], chunk_term_avx2<t>(k1, xr + 32, sr[1], zero));
-      acc[r] = _mm256_add_ps(acc[r], pair);
-      if constexpr (kHasMin<t>) {
-        const float* xs = sum + r * chunks + c;
-        macc[r] += k0.m * xs[0] + k1.m * xs[1];
+    if constexpr (kFactored<t>) {
+      float d, m;
+      chunk_q<t>(row, c, w, d, m);
+      const __m256 dv = _mm256_set1_ps(d);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * ldx + 32 * c;
+        __m256 a = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
+        a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), a);
+        a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), a);
+        a = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), a);
+        acc[r] = _mm256_fmadd_ps(dv, a, acc[r]);
+        if constexpr (kHasMin<t>) macc[r] += m * xsum[r * chunks + c];
       }
-    }
-  }
-  if (c < chunks) {  // an odd chunk count: the last one alone
-    const WChunk k0 = int_chunk_avx2<t>(row, c);
-    for (int r = 0; r < R; ++r) {
-      acc[r] = _mm256_add_ps(acc[r], chunk_term_avx2<t>(k0, q + r * K + 32 * c, scale[r * chunks + c], zero));
-      if constexpr (kHasMin<t>) macc[r] += k0.m * sum[r * chunks + c];
+    } else {
+      chunk_avx2<t>(row, c, w);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * ldx + 32 * c;
+        __m256 a = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
+        a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), a);
+        a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), a);
+        a = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), a);
+        acc[r] = _mm256_add_ps(acc[r], a);
+      }
     }
   }
   for (int r = 0; r < R; ++r) out[r * ldo] = hsum(acc[r]) + macc[r];
 }
 
 template <int64_t t>
-void row_dot_avx2_any(const uint8_t* row, int64_t K, const Activations& a, int64_t M, float* out,
-                      int64_t ldo) {
+void row_dot_avx2_any(const uint8_t* row, int64_t K, const float* x, int64_t M, int64_t ldx,
+                      const float* xsum, float* out, int64_t ldo) {
   const int64_t chunks = K / 32;
-  const int16_t* q = a.q.data();
-  const float* scale = a.scale.data();
-  const float* sum = a.sum.data();
   int64_t m0 = 0;
   for (; m0 + MR <= M; m0 += MR)
-    row_dot_avx2<t, MR>(row, K, q + m0 * K, scale + m0 * chunks, sum + m0 * chunks,
-                        out + m0 * ldo, ldo);
-  q += m0 * K;
-  scale += m0 * chunks;
-  sum += m0 * chunks;
+    row_dot_avx2<t, MR>(row, K, x + m0 * ldx, ldx, xsum + m0 * chunks, out + m0 * ldo, ldo);
+  x += m0 * ldx;
+  xsum += m0 * chunks;
   out += m0 * ldo;
   switch (M - m0) {
-    case 7: row_dot_avx2<t, 7>(row, K, q, scale, sum, out, ldo); break;
-    case 6: row_dot_avx2<t, 6>(row, K, q, scale, sum, out, ldo); break;
-    case 5: row_dot_avx2<t, 5>(row, K, q, scale, sum, out, ldo); break;
-    case 4: row_dot_avx2<t, 4>(row, K, q, scale, sum, out, ldo); break;
-    case 3: row_dot_avx2<t, 3>(row, K, q, scale, sum, out, ldo); break;
-    case 2: row_dot_avx2<t, 2>(row, K, q, scale, sum, out, ldo); break;
-    case 1: row_dot_avx2<t, 1>(row, K, q, scale, sum, out, ldo); break;
+    case 7: row_dot_avx2<t, 7>(row, K, x, ldx, xsum, out, ldo); break;
+    case 6: row_dot_avx2<t, 6>(row, K, x, ldx, xsum, out, ldo); break;
+    case 5: row_dot_avx2<t, 5>(row, K, x, ldx, xsum, out, ldo); break;
+    case 4: row_dot_avx2<t, 4>(row, K, x, ldx, xsum, out, ldo); break;
+    case 3: row_dot_avx2<t, 3>(row, K, x, ldx, xsum, out, ldo); break;
+    case 2: row_dot_avx2<t, 2>(row, K, x, ldx, xsum, out, ldo); break;
+    case 1: row_dot_avx2<t, 1>(row, K, x, ldx, xsum, out, ldo); break;
     default: break;
   }
 }
 
 template <int64_t t>
-void qlinear_avx2(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K,
-                  const Activations& a, int64_t M, float* out) {
+void qlinear_avx2(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const float* x,
+                  int64_t M, float* out) {
+  // Each 32-element chunk's sum of x, for the offsets of types with a min.
+  const int64_t chunks = K / 32;
+  std::vector<float> xsum(kHasMin<t> ? M * chunks : 0);
+  if constexpr (kHasMin<t>) {
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float* xc = x + r * K + 32 * c;
+        __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xc), _mm256_loadu_ps(xc + 8)),
+                                 _mm256_add_ps(_mm256_loadu_ps(xc + 16), _mm256_loadu_ps(xc + 24)));
+        xsum[r * chunks + c] = hsum(s);
+      }
+  }
+  const float* xs = xsum.data();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
-      row_dot_avx2_any<t>(w + n * row_bytes, K, a, M, out + n, N);
+      row_dot_avx2_any<t>(w + n * row_bytes, K, x, M, K, xs, out + n, N);
   });
 }
 
@@ -610,45 +440,26 @@ void dispatch(int64_t t, F&& f) {
 
 }  // namespace
 
-Activations quantize_activations(const float* x, int64_t M, int64_t K, bool portable) {
-  Activations a;
-  a.chunks = K / 32;
-  a.q.resize(M * K);
-  a.scale.resize(M * a.chunks);
-  a.sum.resize(M * a.chunks);
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t c = 0; c < a.chunks; ++c) {
-      const int64_t rc = r * a.chunks + c;
-#ifdef PDSERVE_AVX2
-      if (!portable) {
-        quantize_chunk_avx2(x + r * K + 32 * c, a.q.data() + r * K + 32 * c, a.scale[rc], a.sum[rc]);
-        continue;
-      }
-#endif
-      quantize_chunk_scalar(x + r * K + 32 * c, a.q.data() + r * K + 32 * c, a.scale[rc], a.sum[rc]);
-    }
-  (void)portable;
-  return a;
-}
-
 void qlinear(torch::Tensor out, torch::Tensor x, torch::Tensor w, int64_t qtype, bool portable) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const Layout l = layout_of(qtype);
   TORCH_CHECK(l.elems > 0, "quantization type ", qtype, " has no kernel");
   TORCH_CHECK(K % l.elems == 0 && w.size(1) == K / l.elems * l.bytes, "qlinear: bad shapes");
+  const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = w.size(1);
-  const Activations a = quantize_activations(x.data_ptr<float>(), M, K, portable);
 #ifdef PDSERVE_AVX2
   if (!portable) {
-    dispatch(qtype, [&](auto t) { qlinear_avx2<decltype(t)::value>(wp, row_bytes, N, K, a, M, op); });
+    dispatch(qtype, [&](auto t) { qlinear_avx2<decltype(t)::value>(wp, row_bytes, N, K, xp, M, op); });
     return;
   }
 #endif
+  (void)portable;
   // One work item is one output column; a thread takes a contiguous run of them.
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) row_dot_scalar(qtype, wp + n * row_bytes, K, a, M, op + n, N);
+    for (int64_t n = begin; n < end; ++n)
+      row_dot_scalar(qtype, wp + n * row_bytes, K, xp, M, K, op + n, N);
   });
 }
 
