@@ -269,6 +269,33 @@ def _run(cmd: list[str], timeout_s: float) -> str:
     return proc.stdout
 
 
+def measure_decode(
+    model: Path,
+    *,
+    threads: int,
+    context: int,
+    gen_tokens: int,
+    batch: int,
+    layout: BuildLayout | None = None,
+    timeout_s: float = TIMEOUT_S,
+) -> DecodeFigure:
+    """One batched-bench run at one batch size: fresh prompts, ``gen_tokens`` timed steps.
+
+    Raises like ``measure``."""
+    layout = layout or BuildLayout(default_cache_dir())
+    if layout.missing():
+        raise FileNotFoundError(build_hint(layout))
+    cmd = batched_bench_command(
+        layout.batched_bench_binary, model, threads=threads, context=context,
+        gen_tokens=gen_tokens, batches=[batch],
+    )  # fmt: skip
+    (figure,) = parse_batched_bench(
+        _run(cmd, timeout_s), threads=threads, context=context, gen_tokens=gen_tokens,
+        batches=[batch],
+    )  # fmt: skip
+    return figure
+
+
 def measure(
     model: Path,
     *,
