@@ -269,6 +269,28 @@ def _run(cmd: list[str], timeout_s: float) -> str:
     return proc.stdout
 
 
+def _decode(
+    model: Path,
+    layout: BuildLayout,
+    *,
+    threads: int,
+    context: int,
+    gen_tokens: int,
+    batches: Sequence[int],
+    timeout_s: float,
+) -> tuple[tuple[DecodeFigure, ...], list[str]]:
+    """One batched-bench run over ``batches``: its figures and the command that ran."""
+    cmd = batched_bench_command(
+        layout.batched_bench_binary, model, threads=threads, context=context,
+        gen_tokens=gen_tokens, batches=batches,
+    )  # fmt: skip
+    figures = parse_batched_bench(
+        _run(cmd, timeout_s), threads=threads, context=context, gen_tokens=gen_tokens,
+        batches=batches,
+    )  # fmt: skip
+    return figures, cmd
+
+
 def measure_decode(
     model: Path,
     *,
@@ -285,13 +307,9 @@ def measure_decode(
     layout = layout or BuildLayout(default_cache_dir())
     if layout.missing():
         raise FileNotFoundError(build_hint(layout))
-    cmd = batched_bench_command(
-        layout.batched_bench_binary, model, threads=threads, context=context,
-        gen_tokens=gen_tokens, batches=[batch],
-    )  # fmt: skip
-    (figure,) = parse_batched_bench(
-        _run(cmd, timeout_s), threads=threads, context=context, gen_tokens=gen_tokens,
-        batches=[batch],
+    (figure,), _ = _decode(
+        model, layout, threads=threads, context=context, gen_tokens=gen_tokens,
+        batches=[batch], timeout_s=timeout_s,
     )  # fmt: skip
     return figure
 
@@ -317,13 +335,9 @@ def measure(
     layout = layout or BuildLayout(default_cache_dir())
     if layout.missing():
         raise FileNotFoundError(build_hint(layout))
-    decode_cmd = batched_bench_command(
-        layout.batched_bench_binary, model, threads=threads, context=context,
-        gen_tokens=gen_tokens, batches=batches,
-    )  # fmt: skip
-    decode = parse_batched_bench(
-        _run(decode_cmd, timeout_s), threads=threads, context=context,
-        gen_tokens=gen_tokens, batches=batches,
+    decode, decode_cmd = _decode(
+        model, layout, threads=threads, context=context, gen_tokens=gen_tokens,
+        batches=batches, timeout_s=timeout_s,
     )  # fmt: skip
     prefill_cmd = llama_bench_command(
         layout.bench_binary, model, threads=threads, prompt_lens=prompt_lens, repeats=repeats
