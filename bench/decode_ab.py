@@ -93,6 +93,7 @@ def run(
     model: Path,
     layout: BuildLayout,
     seed: int,
+    kv_cache_dtype: str = "auto",
 ) -> list[BatchResult]:
     """Load the engine once, then alternate one pdserve and one llama.cpp repeat per batch."""
     torch.set_num_threads(threads)
@@ -109,6 +110,7 @@ def run(
             enable_prefix_caching=False,
             num_threads=threads,
             weights=weights,
+            kv_cache_dtype=kv_cache_dtype,
         )
     )
     vocab = engine.model.config.vocab_size
@@ -151,6 +153,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--weights", default="quantized", choices=WEIGHT_FORMATS, help="(default: quantized)"
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "float32", "float16"),
+        help="pdserve's KV pool dtype (default: auto, float32; llama.cpp's is float16)",
+    )
     p.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2-135M's)")
     p.add_argument(
         "--llama-cpp-dir",
@@ -187,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = run(
             threads=args.threads, batches=args.batches, context=args.context,
             steps=args.steps, repeats=args.repeats, weights=args.weights, model=model,
-            layout=layout, seed=args.seed,
+            layout=layout, seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
         )  # fmt: skip
     except (FileNotFoundError, LlamaCppError) as exc:
         print(f"bench.decode_ab: llama.cpp failed: {exc}", file=sys.stderr)
@@ -195,7 +203,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = machine_info()
     print(f"command: {command}")
     print(f"machine: {machine['cpu_model']}, {machine['cpu_count']} CPUs; started {started}")
-    print(f"pdserve weights {args.weights}; llama.cpp {layout.batched_bench_binary}")
+    print(
+        f"pdserve weights {args.weights}, KV cache {args.kv_cache_dtype}; "
+        f"llama.cpp {layout.batched_bench_binary}"
+    )
     print()
     print(format_table(args.threads, results))
     if args.json:

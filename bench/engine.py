@@ -110,6 +110,7 @@ class BenchConfig:
     copy_mib: int
     seed: int
     model: str | None
+    kv_cache_dtype: str = "auto"  # pdserve's KV pool (auto: --dtype)
 
     def __post_init__(self) -> None:
         positive = {
@@ -595,6 +596,7 @@ def run_threads(cfg: BenchConfig, threads: int) -> ThreadResult:
                 enable_prefix_caching=False,
                 num_threads=threads,
                 weights=weights,
+                kv_cache_dtype=cfg.kv_cache_dtype,
             ),
             # The dense checkpoint is float32's weights as they are; any other format is
             # loaded by the engine itself, from the file, the way it holds that format.
@@ -772,6 +774,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "(default: ~/.cache/pdserve/llama.cpp/<version>)",
     )
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "float32", "float16"),
+        help="pdserve's KV pool dtype (default: auto, the --dtype)",
+    )
     p.add_argument("--model", default=None, help="checkpoint path (default: SmolLM2-135M GGUF)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--json", metavar="OUT", help="write results to this JSON file")
@@ -806,6 +814,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         copy_mib=pick("copy_mib"),
         seed=args.seed,
         model=args.model,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

@@ -61,7 +61,8 @@ class Mode:
 
 def modes_for(args: argparse.Namespace) -> list[Mode]:
     threads = str(args.threads)
-    common = ("--kv-cache-mib", str(args.kv_cache_mib), "--max-num-seqs", "64")
+    common = ("--kv-cache-mib", str(args.kv_cache_mib), "--max-num-seqs", "64",
+              "--kv-cache-dtype", args.kv_cache_dtype)  # fmt: skip
     # a colocated worker's threads float over the machine's cores (--no-pin)
     colocated = ("--colocated", "--no-pin", "--threads", threads, *common)
     chunked = ("--chunked-prefill", str(args.chunk))
@@ -383,6 +384,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=128, help="colocated-chunked: chunk tokens")
     p.add_argument("--transport", default="shm", choices=("shm", "tcp"))
     p.add_argument("--kv-cache-mib", type=int, default=256)
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "float32", "float16"),
+        help="pdserve workers' KV dtype (llama-server's is float16)",
+    )
     p.add_argument("--model", default=None, help="GGUF (default: SmolLM2-135M-Instruct)")
     p.add_argument("--slo-ttft-ms", type=float, default=4000.0)
     p.add_argument("--slo-itl-ms", type=float, default=200.0)

@@ -8,6 +8,12 @@ Two shapes of work per layer:
 GQA is computed without materialising repeated K/V heads: queries are viewed as
 ``[kv_heads, group, ...]`` and multiplied against each KV head once. Triton kernels
 (``kernels/``) implement the same two functions for GPUs and are checked against these.
+
+The pool may hold a narrower dtype than the queries (a float16 KV cache under float32
+compute): attention then reads every key and value as stored, widened to the queries'
+dtype, a prefill chunk's own fresh keys included. So a token's attention sees the same
+numbers whether its context came from this chunk, an earlier chunk, the prefix cache or
+another worker's transfer.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.forward_batch import DecodeBatch, PrefillSegment
-from kernels.paged_attention import cpu_kernel_available, decode_attention_cpu
+from kernels.paged_attention import POOL_DTYPES, cpu_kernel_available, decode_attention_cpu
 
 
 def write_kv(
@@ -27,15 +33,21 @@ def write_kv(
     slot_blocks: torch.Tensor,
     slot_offsets: torch.Tensor,
 ) -> None:
-    """Store new tokens' keys/values (``[T, kv_heads, head_dim]``) into their slots."""
-    k_pool[slot_blocks, slot_offsets] = k
-    v_pool[slot_blocks, slot_offsets] = v
+    """Store new tokens' keys/values (``[T, kv_heads, head_dim]``) into their slots, cast
+    to the pool's dtype (rounded to nearest even)."""
+    k_pool[slot_blocks, slot_offsets] = k.to(k_pool.dtype)
+    v_pool[slot_blocks, slot_offsets] = v.to(v_pool.dtype)
 
 
 def gather_context(pool: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` tokens of one sequence as ``[length, kv_heads, head_dim]``."""
     blocks = pool.index_select(0, block_table)
     return blocks.reshape(-1, pool.shape[2], pool.shape[3])[:length]
+
+
+def as_stored(t: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as a pool of ``pool_dtype`` holds it, back in ``t``'s dtype (itself when equal)."""
+    return t if t.dtype == pool_dtype else t.to(pool_dtype).to(t.dtype)
 
 
 def prefill_attention(
@@ -55,13 +67,13 @@ def prefill_attention(
     """
     n = seg.length
     if seg.context_len == 0:
-        keys, values = k_new, v_new
+        keys, values = as_stored(k_new, k_pool.dtype), as_stored(v_new, v_pool.dtype)
         mask = None
         causal = True
     else:
         total = seg.context_len + n
-        keys = gather_context(k_pool, seg.block_table, total)
-        values = gather_context(v_pool, seg.block_table, total)
+        keys = gather_context(k_pool, seg.block_table, total).to(q.dtype)
+        values = gather_context(v_pool, seg.block_table, total).to(q.dtype)
         # query i (absolute position context_len + i) sees keys 0..context_len + i
         qpos = torch.arange(seg.context_len, total, device=q.device).unsqueeze(1)
         kpos = torch.arange(total, device=q.device).unsqueeze(0)
@@ -114,7 +126,13 @@ def decode_attention(
 ) -> torch.Tensor:
     """Decode attention: the CPU kernel where it applies (and ``kernel``), else the torch
     reference. ``ranges_checked``: see ``decode_attention_cpu``."""
-    if kernel and q.dtype == torch.float32 and q.device.type == "cpu" and cpu_kernel_available():
+    if (
+        kernel
+        and q.dtype == torch.float32
+        and k_pool.dtype in POOL_DTYPES
+        and q.device.type == "cpu"
+        and cpu_kernel_available()
+    ):
         return decode_attention_cpu(
             q.contiguous(), k_pool, v_pool, batch.block_tables, batch.context_lens, scale,
             ranges_checked=ranges_checked,
@@ -143,8 +161,8 @@ def decode_attention_reference(
     # [B, T, kv, D] -> [B, kv, T, D] transpose stays a view that SDPA reads with strides.
     torch.index_select(k_pool, 0, flat, out=kbuf)
     torch.index_select(v_pool, 0, flat, out=vbuf)
-    keys = kbuf.view(b, -1, kv_heads, dim)[:, :max_len].transpose(1, 2)
-    values = vbuf.view(b, -1, kv_heads, dim)[:, :max_len].transpose(1, 2)
+    keys = kbuf.view(b, -1, kv_heads, dim)[:, :max_len].transpose(1, 2).to(q.dtype)
+    values = vbuf.view(b, -1, kv_heads, dim)[:, :max_len].transpose(1, 2).to(q.dtype)
     mask = None
     if int(batch.context_lens.min()) < max_len:
         lens = batch.context_lens.unsqueeze(1)

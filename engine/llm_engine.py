@@ -47,6 +47,7 @@ def _generator(params: SamplingParams, device: torch.device) -> torch.Generator 
 
 
 WEIGHT_FORMATS = ("float32", "quantized")
+KV_CACHE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -81,11 +82,32 @@ class EngineConfig:
     # moved layer by layer (engine/kv_staging.py). Always so off the CPU; True stages on the
     # CPU too (two CPU pools: how the tests run a GPU worker's KV path here).
     kv_staging: bool = False
+    # The KV pool's dtype: "auto" is the engine's dtype. "float16" under float32 compute on
+    # the CPU halves the bytes every decode step reads (and the pool's footprint); attention
+    # widens the stored values back to float32. Workers that exchange KV must agree on it.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         device = resolve_device(self.device)
         object.__setattr__(self, "device", str(device))
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
+        kv_dtype = self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        if kv_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(
+                f"kv_cache_dtype must be one of {['auto', *KV_CACHE_DTYPES]}, got "
+                f"{self.kv_cache_dtype!r}"
+            )
+        object.__setattr__(self, "kv_cache_dtype", kv_dtype)
+        narrowed = (device.type, self.dtype, kv_dtype) == ("cpu", "float32", "float16")
+        if kv_dtype != self.dtype and not narrowed:
+            raise InvalidRequestError(
+                f"a {kv_dtype} KV cache under {self.dtype} compute on {device.type} is not "
+                "supported: the KV dtype is the engine's, or float16 under float32 on the CPU"
+            )
+        if kv_dtype != self.dtype and self.uses_triton:
+            raise InvalidRequestError(
+                f"the Triton kernels store KV in the engine's dtype ({self.dtype}), not {kv_dtype}"
+            )
         if self.weights not in WEIGHT_FORMATS:
             raise InvalidRequestError(
                 f"weights must be one of {list(WEIGHT_FORMATS)}, got {self.weights!r}"
@@ -106,6 +128,10 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        return DTYPES[self.kv_cache_dtype]
 
     @property
     def torch_device(self) -> torch.device:
@@ -228,7 +254,7 @@ class LLMEngine:
             ckpt.config,
             config.kv_cache_bytes,
             block_size=config.block_size,
-            dtype=config.torch_dtype,
+            dtype=config.torch_kv_dtype,
         )
         if num_blocks < 1:
             raise CapacityError("the KV cache budget is smaller than one block")
@@ -236,7 +262,7 @@ class LLMEngine:
             ckpt.config,
             num_blocks=num_blocks,
             block_size=config.block_size,
-            dtype=config.torch_dtype,
+            dtype=config.torch_kv_dtype,
         )
         memory = kv_memory(self.kv_spec) if kv_memory else None
         self.staging: KVStaging | None = None

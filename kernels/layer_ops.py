@@ -2,7 +2,8 @@
 
 Each has a torch reference in the engine (``engine/model.py``'s ``_rms_norm``,
 ``engine/rope.py``, ``engine/attention.write_kv``) and is tested against it
-(tests/kernels/test_layer_ops.py). All take float32 contiguous CPU tensors.
+(tests/kernels/test_layer_ops.py). All take float32 contiguous CPU tensors, except the KV
+pools ``rope_write_kv`` stores into, which may also be float16.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernels.extension import Extension
+from kernels.paged_attention import POOL_DTYPES
 
 _EXTENSION = Extension("layer_ops", ("-ffp-contract=off", "-fopenmp-simd", "-fno-math-errno"))
 
@@ -76,13 +78,19 @@ def rope_write_kv(
 ) -> None:
     """Rotate q and k in place in ``qkv`` ``[T, (Hq + 2 Hkv) D]`` by the rows of the
     ``[max_pos, D]`` tables at ``positions``, then store each token's k and v at its slot
-    of the pools ``[N, block, Hkv, D]``. ``ranges_checked``: the caller has checked the
+    of the pools ``[N, block, Hkv, D]`` (float32, or float16: rounded to nearest even, the
+    values ``write_kv``'s cast stores). ``ranges_checked``: the caller has checked the
     positions and slots of this batch once for all layers (``check_slot_ranges``)."""
     d = cos.shape[1] if cos.dim() == 2 else 0
     _check_rows("qkv", qkv, (num_heads + 2 * num_kv_heads) * d)
-    for name, t in (("cos", cos), ("sin", sin), ("k_pool", k_pool), ("v_pool", v_pool)):
+    for name, t in (("cos", cos), ("sin", sin)):
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous float32 tensor")
+    for name, t in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if t.dtype not in POOL_DTYPES or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous float32 or float16 CPU tensor")
+    if v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"k_pool is {k_pool.dtype}, v_pool {v_pool.dtype}")
     if sin.shape != cos.shape or d % 2:
         raise ValueError("cos and sin must be equal [max_pos, D] tables with D even")
     pool_shape = (k_pool.shape[0], k_pool.shape[1], num_kv_heads, d)

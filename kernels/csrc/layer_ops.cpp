@@ -12,6 +12,7 @@
 //   silu_mul(out, gu)                     out = silu(gu[:, :I]) * gu[:, I:]
 //   rope_write_kv(qkv, cos, sin, pos, k_pool, v_pool, blocks, offsets, Hq, Hkv)
 //       rotates q and k in place in the fused qkv rows, then stores k and v into the pool
+//       (a float32 pool, or a float16 one: rounded to nearest even, as torch's cast)
 //
 // Shapes, dtypes and index ranges are checked by the Python launcher (kernels/layer_ops.py).
 #include <torch/extension.h>
@@ -36,6 +37,60 @@ inline void norm_row(float* __restrict out, const float* __restrict x, const flo
   const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
 #pragma omp simd
   for (int64_t i = 0; i < H; ++i) out[i] = w[i] * (x[i] * r);
+}
+
+// Store n floats into a pool of float32 (a copy) or float16 (rounded to nearest even).
+inline void store_kv(float* __restrict dst, const float* __restrict src, int64_t n) {
+  std::memcpy(dst, src, sizeof(float) * n);
+}
+inline void store_kv(at::Half* __restrict dst, const float* __restrict src, int64_t n) {
+  int64_t i = 0;
+#ifdef PDSERVE_AVX2
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < n; ++i) dst[i] = at::Half(src[i]);
+}
+
+template <typename KV>
+void rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions,
+                torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slot_blocks,
+                torch::Tensor slot_offsets, int64_t Hq, int64_t Hkv) {
+  const int64_t T = qkv.size(0), W = qkv.size(1), D = cos.size(1), half = D / 2;
+  const int64_t block = k_pool.size(1);
+  const int64_t tok_stride = Hkv * D, blk_stride = block * tok_stride;
+  float* qp = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  KV* kp = k_pool.data_ptr<KV>();
+  KV* vp = v_pool.data_ptr<KV>();
+  const int64_t* blocks = slot_blocks.data_ptr<int64_t>();
+  const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
+  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      float* row = qp + t * W;
+      const float* c = cp + pos[t] * D;
+      const float* s = sp + pos[t] * D;
+      // x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1): three roundings per
+      // element, as the reference's mul, mul, add.
+      for (int64_t h = 0; h < Hq + Hkv; ++h) {
+        float* x = row + h * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = x[i], x2 = x[i + half];
+          const float a = x1 * c[i], bb = (-x2) * s[i];
+          const float a2 = x2 * c[i + half], b2 = x1 * s[i + half];
+          x[i] = a + bb;
+          x[i + half] = a2 + b2;
+        }
+      }
+      const int64_t slot = blocks[t] * blk_stride + offsets[t] * tok_stride;
+      store_kv(kp + slot, row + Hq * D, tok_stride);
+      store_kv(vp + slot, row + (Hq + Hkv) * D, tok_stride);
+    }
+  });
 }
 
 }  // namespace
@@ -95,39 +150,13 @@ void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                    torch::Tensor positions, torch::Tensor k_pool, torch::Tensor v_pool,
                    torch::Tensor slot_blocks, torch::Tensor slot_offsets, int64_t Hq,
                    int64_t Hkv) {
-  const int64_t T = qkv.size(0), W = qkv.size(1), D = cos.size(1), half = D / 2;
-  const int64_t block = k_pool.size(1);
-  const int64_t tok_stride = Hkv * D, blk_stride = block * tok_stride;
-  float* qp = qkv.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  float* kp = k_pool.data_ptr<float>();
-  float* vp = v_pool.data_ptr<float>();
-  const int64_t* blocks = slot_blocks.data_ptr<int64_t>();
-  const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
-  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      float* row = qp + t * W;
-      const float* c = cp + pos[t] * D;
-      const float* s = sp + pos[t] * D;
-      // x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1): three roundings per
-      // element, as the reference's mul, mul, add.
-      for (int64_t h = 0; h < Hq + Hkv; ++h) {
-        float* x = row + h * D;
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = x[i], x2 = x[i + half];
-          const float a = x1 * c[i], bb = (-x2) * s[i];
-          const float a2 = x2 * c[i + half], b2 = x1 * s[i + half];
-          x[i] = a + bb;
-          x[i + half] = a2 + b2;
-        }
-      }
-      const int64_t slot = blocks[t] * blk_stride + offsets[t] * tok_stride;
-      std::memcpy(kp + slot, row + Hq * D, sizeof(float) * tok_stride);
-      std::memcpy(vp + slot, row + (Hq + Hkv) * D, sizeof(float) * tok_stride);
-    }
-  });
+  TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "k_pool and v_pool differ in dtype");
+  if (k_pool.scalar_type() == at::kHalf)
+    rope_write<at::Half>(qkv, cos, sin, positions, k_pool, v_pool, slot_blocks, slot_offsets, Hq,
+                         Hkv);
+  else
+    rope_write<float>(qkv, cos, sin, positions, k_pool, v_pool, slot_blocks, slot_offsets, Hq,
+                      Hkv);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -7,10 +7,13 @@
 //
 // Shapes (checked by the Python launcher, kernels/paged_attention.py):
 //   q            [B, Hq, D]            float32, contiguous
-//   k_pool/v_pool[N, block, Hkv, D]    float32, contiguous (one layer of the pool)
+//   k_pool/v_pool[N, block, Hkv, D]    float32 or float16, contiguous (one layer of the pool)
 //   block_tables [B, max_blocks]       int64
 //   context_lens [B]                   int64
 //   out          [B, Hq, D]            float32
+//
+// A float16 pool is read as stored and widened to float32 in registers (F16C where the CPU
+// has it): half the bytes per step, the same float32 arithmetic on the widened values.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -27,20 +30,32 @@
 
 namespace {
 
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+// A pool element as float32 (KV is float or at::Half).
+inline float widen(float x) { return x; }
+inline float widen(at::Half x) { return static_cast<float>(x); }
+
+template <typename KV>
+inline float dot(const float* __restrict a, const KV* __restrict b, int64_t n) {
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * widen(b[i]);
   return acc;
 }
 
-inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t n) {
+template <typename KV>
+inline void axpy(float* __restrict y, float a, const KV* __restrict x, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+  for (int64_t i = 0; i < n; ++i) y[i] += a * widen(x[i]);
 }
 
 
 #ifdef PDSERVE_AVX2
+// 8 pool elements as float32 lanes.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // The 8 horizontal sums of a0..a7, as one vector (lane j = sum of aj).
 inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
                     __m256 a6, __m256 a7) {
@@ -50,34 +65,35 @@ inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m25
 }
 
 // out[j] = <q, k_j> for the 8 rows k_j = k + j * stride (D a multiple of 8).
-inline void dots8(const float* __restrict q, const float* __restrict k, int64_t stride,
+template <typename KV>
+inline void dots8(const float* __restrict q, const KV* __restrict k, int64_t stride,
                   int64_t D, float* __restrict out) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
   for (int64_t d = 0; d < D; d += 8) {
     const __m256 qv = _mm256_loadu_ps(q + d);
-    const float* kd = k + d;
-    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kd), a0);
-    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kd + stride), a1);
-    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kd + 2 * stride), a2);
-    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kd + 3 * stride), a3);
-    a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kd + 4 * stride), a4);
-    a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kd + 5 * stride), a5);
-    a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kd + 6 * stride), a6);
-    a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kd + 7 * stride), a7);
+    const KV* kd = k + d;
+    a0 = _mm256_fmadd_ps(qv, load8(kd), a0);
+    a1 = _mm256_fmadd_ps(qv, load8(kd + stride), a1);
+    a2 = _mm256_fmadd_ps(qv, load8(kd + 2 * stride), a2);
+    a3 = _mm256_fmadd_ps(qv, load8(kd + 3 * stride), a3);
+    a4 = _mm256_fmadd_ps(qv, load8(kd + 4 * stride), a4);
+    a5 = _mm256_fmadd_ps(qv, load8(kd + 5 * stride), a5);
+    a6 = _mm256_fmadd_ps(qv, load8(kd + 6 * stride), a6);
+    a7 = _mm256_fmadd_ps(qv, load8(kd + 7 * stride), a7);
   }
   _mm256_storeu_ps(out, hsum8(a0, a1, a2, a3, a4, a5, a6, a7));
 }
 
 // acc[0..NV) += p * v[0 .. 8 NV) over the rows of one block, accumulators in registers.
-template <int NV>
-inline void weighted_rows(const float* __restrict p, const float* __restrict v, int64_t stride,
+template <int NV, typename KV>
+inline void weighted_rows(const float* __restrict p, const KV* __restrict v, int64_t stride,
                           int64_t rows, __m256* __restrict acc) {
   __m256 a[NV];
   for (int c = 0; c < NV; ++c) a[c] = acc[c];
   for (int64_t j = 0; j < rows; ++j) {
     const __m256 pj = _mm256_set1_ps(p[j]);
-    const float* vj = v + j * stride;
-    for (int c = 0; c < NV; ++c) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), a[c]);
+    const KV* vj = v + j * stride;
+    for (int c = 0; c < NV; ++c) a[c] = _mm256_fmadd_ps(pj, load8(vj + 8 * c), a[c]);
   }
   for (int c = 0; c < NV; ++c) acc[c] = a[c];
 }
@@ -112,7 +128,8 @@ inline void softmax(float* __restrict x, int64_t n) {
 // One sequence, all heads: scores = q k^T * scale, softmax, out = p v.
 // Keys and values are read block by block in place; within a block the rows of one kv
 // head are `tok_stride` apart.
-void attend(const float* __restrict qb, const float* __restrict kp, const float* __restrict vp,
+template <typename KV>
+void attend(const float* __restrict qb, const KV* __restrict kp, const KV* __restrict vp,
             const int64_t* __restrict table, int64_t len, int64_t Hq, int64_t Hkv, int64_t D,
             int64_t block, int64_t tok_stride, int64_t blk_stride, float scale,
             float* __restrict ob, std::vector<float>& scores) {
@@ -126,10 +143,10 @@ void attend(const float* __restrict qb, const float* __restrict kp, const float*
 #endif
   for (int64_t bi = 0; bi < nblk; ++bi) {
     const int64_t t0 = bi * block, rows = std::min(block, len - t0);
-    const float* kblk = kp + table[bi] * blk_stride;
+    const KV* kblk = kp + table[bi] * blk_stride;
     for (int64_t hq = 0; hq < Hq; ++hq) {
       const float* q = qb + hq * D;
-      const float* k = kblk + (hq / G) * D;
+      const KV* k = kblk + (hq / G) * D;
       float* srow = s + hq * len + t0;
       int64_t j = 0;
 #ifdef PDSERVE_AVX2
@@ -151,7 +168,7 @@ void attend(const float* __restrict qb, const float* __restrict kp, const float*
       const float* p = s + hq * len;
       for (int64_t bi = 0; bi < nblk; ++bi) {
         const int64_t t0 = bi * block, rows = std::min(block, len - t0);
-        const float* v = vp + table[bi] * blk_stride + (hq / G) * D;
+        const KV* v = vp + table[bi] * blk_stride + (hq / G) * D;
         switch (nv) {
           case 8: weighted_rows<8>(p + t0, v, tok_stride, rows, acc); break;
           case 4: weighted_rows<4>(p + t0, v, tok_stride, rows, acc); break;
@@ -168,25 +185,22 @@ void attend(const float* __restrict qb, const float* __restrict kp, const float*
 #endif
   for (int64_t bi = 0; bi < nblk; ++bi) {
     const int64_t t0 = bi * block, rows = std::min(block, len - t0);
-    const float* vblk = vp + table[bi] * blk_stride;
+    const KV* vblk = vp + table[bi] * blk_stride;
     for (int64_t j = 0; j < rows; ++j)
       for (int64_t hq = 0; hq < Hq; ++hq)
         axpy(ob + hq * D, s[hq * len + t0 + j], vblk + j * tok_stride + (hq / G) * D, D);
   }
 }
 
-}  // namespace
-
-void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_pool,
-                            torch::Tensor v_pool, torch::Tensor block_tables,
-                            torch::Tensor context_lens, double scale) {
+template <typename KV>
+void run(torch::Tensor out, torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+         torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t block = k_pool.size(1), Hkv = k_pool.size(2);
-  TORCH_CHECK(Hq <= 64, "paged_decode_attention supports at most 64 query heads");
   const int64_t max_blocks = block_tables.size(1);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_pool.data_ptr<float>();
-  const float* vp = v_pool.data_ptr<float>();
+  const KV* kp = k_pool.data_ptr<KV>();
+  const KV* vp = v_pool.data_ptr<KV>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
@@ -209,7 +223,20 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   });
 }
 
+}  // namespace
+
+void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_pool,
+                            torch::Tensor v_pool, torch::Tensor block_tables,
+                            torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.size(1) <= 64, "paged_decode_attention supports at most 64 query heads");
+  TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "k_pool and v_pool differ in dtype");
+  if (k_pool.scalar_type() == at::kHalf)
+    run<at::Half>(out, q, k_pool, v_pool, block_tables, context_lens, scale);
+  else
+    run<float>(out, q, k_pool, v_pool, block_tables, context_lens, scale);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV pool (float32, CPU)");
+        "decode attention over a paged float32 or float16 KV pool (CPU)");
 }

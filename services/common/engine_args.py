@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from engine.llm_engine import EngineConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_DTYPES = ("auto", "float32", "float16")
 DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 WEIGHTS = ("auto", "quantized", "float32")
 # What --weights auto loads per role (docs/benchmarks.md, "Weight formats", has the
@@ -47,6 +48,13 @@ class EngineArgs:
         "every tensor (the exact-parity mode), auto picks per role (quantized for decode and "
         "colocated, float32 for prefill); same numbers either way",
         choices=WEIGHTS,
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "KV cache dtype (auto: the engine's --dtype); float16 under float32 compute on the "
+        "CPU halves the KV bytes each decode step reads and doubles the tokens the pool "
+        "holds. Prefill and decode workers that exchange KV must use the same one",
+        choices=KV_DTYPES,
     )
     threads: int | None = setting(
         None,
@@ -90,6 +98,13 @@ class EngineArgs:
             raise ValueError(f"--weights quantized computes in float32, not {self.dtype}")
         if self.weights == "quantized" and self.device.startswith("cuda"):
             raise ValueError("--weights quantized runs on the CPU only, not on cuda")
+        if self.kv_cache_dtype == "float16" and (
+            self.dtype not in ("auto", "float32") or self.device.startswith("cuda")
+        ):
+            raise ValueError(
+                "--kv-cache-dtype float16 needs float32 compute on the CPU (on cuda, --dtype "
+                "float16 stores KV in float16)"
+            )
         if self.chunked_prefill < 0:
             raise ValueError(f"chunked_prefill must be >= 0, got {self.chunked_prefill}")
 
@@ -129,4 +144,5 @@ class EngineArgs:
             cpu_kernels=self.cpu_kernels,
             kv_staging=self.kv_staging,
             weights=self.weight_format(role, device.type, dtype),
+            kv_cache_dtype=self.kv_cache_dtype,
         )

@@ -67,7 +67,7 @@ def build_engine(
         cpu_kernel_available()
     log.info("engine_ready", seconds=round(time.monotonic() - t0, 2), role=role,
              device=config.device, dtype=config.dtype, kv_staged=engine.staging is not None,
-             weights=engine.weight_format,
+             weights=engine.weight_format, kv_dtype=config.kv_cache_dtype,
              weight_mib=_mib(engine.model.weight_bytes),
              kv_mib=_mib(engine.kv_spec.total_bytes), kv_blocks=engine.blocks.num_blocks,
              max_model_len=engine.max_model_len)  # fmt: skip
@@ -91,6 +91,7 @@ def memory_report(engine: LLMEngine) -> dict[str, str]:
         "weights": engine.weight_format,
         "weight_mib": f"{_mib(engine.model.weight_bytes)}",
         "kv_mib": f"{_mib(engine.kv_spec.total_bytes)}",
+        "kv_dtype": str(engine.kv_spec.dtype).removeprefix("torch."),
     }
 
 

@@ -52,18 +52,22 @@ def _config(heads: int, kv_heads: int, head_dim: int) -> ModelConfig:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 16)])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 16), (2, 1, 6)])
 def test_rope_write_kv_is_bit_identical_to_the_reference(
-    heads: int, kv_heads: int, head_dim: int
+    heads: int, kv_heads: int, head_dim: int, pool_dtype: torch.dtype
 ) -> None:
+    # float16 pools: the kernel rounds as torch's cast does (to nearest even), 8 lanes at a
+    # time and in its scalar tail (a head dim of 6 leaves a tail).
     cfg = _config(heads, kv_heads, head_dim)
     rope = RotaryEmbedding(cfg, torch.float32)
     tokens, blocks, block = 11, 6, 4
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    qkv[0, -4:] = torch.tensor([1e5, -1e5, 1e-8, 2049.0])  # overflow, underflow, a tie
     positions = torch.randint(0, 256, (tokens,))
     slots = torch.randperm(blocks * block)[:tokens]
     slot_blocks, slot_offsets = slots // block, slots % block
-    pools = [torch.zeros(blocks, block, kv_heads, head_dim) for _ in range(4)]
+    pools = [torch.zeros(blocks, block, kv_heads, head_dim, dtype=pool_dtype) for _ in range(4)]
 
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     cos, sin = rope.tables(positions)
@@ -110,6 +114,12 @@ def test_checks_reject_bad_inputs() -> None:
     with pytest.raises(ValueError, match=r"\[rows, 32\]"):
         layer_ops.rope_write_kv(qkv[:, :16].contiguous(), rope.cos, rope.sin, ids, pool,
                                 pool, ids, ids, 2, 1)  # fmt: skip
+    with pytest.raises(ValueError, match="float32 or float16"):
+        layer_ops.rope_write_kv(qkv, rope.cos, rope.sin, ids, pool.bfloat16(), pool.bfloat16(),
+                                ids.clamp(max=1), ids, 2, 1)  # fmt: skip
+    with pytest.raises(ValueError, match="v_pool"):
+        layer_ops.rope_write_kv(qkv, rope.cos, rope.sin, ids, pool, pool.half(),
+                                ids.clamp(max=1), ids, 2, 1)  # fmt: skip
     with pytest.raises(ValueError, match="contiguous float32"):
         layer_ops.rms_norm(torch.randn(4, 3).t(), torch.ones(4), EPS)
     with pytest.raises(ValueError, match="weight"):

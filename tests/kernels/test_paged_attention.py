@@ -57,6 +57,30 @@ def test_kernel_matches_reference(b, heads, kv_heads, dim, block, lens) -> None:
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("b", "heads", "kv_heads", "dim", "block", "lens"),
+    [
+        (4, 9, 3, 64, 16, [1, 16, 17, 300]),  # SmolLM2's heads: the F16C vector paths
+        (5, 4, 2, 12, 16, [7, 1, 33, 16, 2]),  # scalar path
+        (2, 4, 2, 128, 16, [9, 70]),  # generic vector path
+    ],
+)
+def test_float16_pool_matches_reference_on_the_widened_values(
+    b, heads, kv_heads, dim, block, lens
+) -> None:
+    # A float16 pool is read as stored and computed in float32: the same result as the
+    # float32 kernel on the pool's values widened back to float32.
+    q, k_pool, v_pool, table, ctx = _case(11, b, heads, kv_heads, dim, block, lens)
+    k16, v16 = k_pool.half(), v_pool.half()
+    scale = dim**-0.5
+    widened = decode_attention_cpu(q, k16.float(), v16.float(), table, ctx, scale)
+    out = decode_attention_cpu(q, k16, v16, table, ctx, scale)
+    torch.testing.assert_close(out, widened, rtol=1e-6, atol=1e-6)
+    ref = decode_attention_reference(q, k16, v16, DecodeBatch(0, table, ctx, max(lens)), scale)
+    assert ref.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_rows_are_batch_invariant() -> None:
     q, k_pool, v_pool, table, ctx = _case(3, 6, 9, 3, 64, 16, [20, 90, 3, 64, 200, 1])
     full = decode_attention_cpu(q, k_pool, v_pool, table, ctx, 0.125)
@@ -77,6 +101,8 @@ def test_rows_are_batch_invariant() -> None:
         (lambda a: {**a, "block_tables": a["block_tables"] + 10_000}, "out of range"),
         (lambda a: {**a, "block_tables": a["block_tables"].int()}, "int64"),
         (lambda a: {**a, "v_pool": a["v_pool"][:, :, :1].contiguous()}, "pool shapes"),
+        (lambda a: {**a, "k_pool": a["k_pool"].bfloat16()}, "float32 or float16"),
+        (lambda a: {**a, "v_pool": a["v_pool"].half()}, "v_pool"),
     ],
 )
 def test_launcher_rejects_bad_inputs(mutate, match) -> None:

@@ -150,3 +150,5 @@ def test_worker_memory_lines_come_from_their_ready_lines() -> None:
     ready = "READY decode 127.0.0.1:5000 weights=quantized weight_mib=98.9 kv_mib=511.9"
     assert _memory_line(ready) == "quantized weights 98.9 MiB, KV 511.9 MiB"
     assert _memory_line("READY decode 127.0.0.1:5000") == ""  # an older worker: no line
+    ready += " kv_dtype=float16"
+    assert _memory_line(ready) == "quantized weights 98.9 MiB, KV 511.9 MiB float16"
