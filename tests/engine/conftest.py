@@ -58,3 +58,15 @@ def make_engine(
 @pytest.fixture(scope="session")
 def default_engine(make_engine: Callable[..., LLMEngine]) -> LLMEngine:
     return make_engine()
+
+
+@pytest.fixture(scope="session")
+def prompts(default_tokenizer: Tokenizer) -> list[list[int]]:
+    """Three short chat prompts: the disaggregated-vs-colocated tests' workload."""
+    qs = ["What is the capital of France?", "Write a limerick about a cat.", "2+2=?"]
+    return [
+        default_tokenizer.encode(
+            default_tokenizer.apply_chat_template([{"role": "user", "content": q}])
+        )
+        for q in qs
+    ]

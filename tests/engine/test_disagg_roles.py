@@ -78,17 +78,6 @@ def _disaggregated(prefill: LLMEngine, decode: LLMEngine, prompts, params) -> li
     return [tokens[f"r{i}"] for i in range(len(prompts))]
 
 
-@pytest.fixture(scope="module")
-def prompts(default_tokenizer) -> list[list[int]]:
-    qs = ["What is the capital of France?", "Write a limerick about a cat.", "2+2=?"]
-    return [
-        default_tokenizer.encode(
-            default_tokenizer.apply_chat_template([{"role": "user", "content": q}])
-        )
-        for q in qs
-    ]
-
-
 def test_disaggregated_roles_equal_colocated(make_engine, prompts) -> None:
     colocated = make_engine().generate(prompts, GREEDY)
     prefill = make_engine(num_kv_blocks=64)

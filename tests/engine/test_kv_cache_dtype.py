@@ -14,7 +14,6 @@ from engine.errors import InvalidRequestError
 from engine.kv_cache import KVCacheSpec
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
 from tests.engine.parity import Reference, check_parity, parity_prompts
 from tests.engine.test_disagg_roles import _disaggregated
 from transfer.errors import IncompatibleLayoutError
@@ -22,17 +21,6 @@ from transfer.handle import KVLayout
 
 NEAR_TIE = 1e-3
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def prompts(default_tokenizer: Tokenizer) -> list[list[int]]:
-    qs = ["What is the capital of France?", "Write a limerick about a cat.", "2+2=?"]
-    return [
-        default_tokenizer.encode(
-            default_tokenizer.apply_chat_template([{"role": "user", "content": q}])
-        )
-        for q in qs
-    ]
 
 
 def test_config_resolves_and_refuses() -> None:

@@ -80,17 +80,6 @@ def test_disaggregated_float32_prefill_quantized_decode_equals_colocated(
     assert got == [r.token_ids for r in colocated] == [r.token_ids for r in float32]
 
 
-@pytest.fixture(scope="module")
-def prompts(default_tokenizer: Tokenizer) -> list[list[int]]:
-    qs = ["What is the capital of France?", "Write a limerick about a cat.", "2+2=?"]
-    return [
-        default_tokenizer.encode(
-            default_tokenizer.apply_chat_template([{"role": "user", "content": q}])
-        )
-        for q in qs
-    ]
-
-
 def test_long_prompt_prefill_uses_the_dense_path_and_agrees(
     make_engine: Callable[..., LLMEngine], make_quantized: Callable[..., LLMEngine]
 ) -> None:
