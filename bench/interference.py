@@ -388,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-dtype",
         default="auto",
         choices=("auto", "float32", "float16"),
-        help="pdserve workers' KV dtype (llama-server's is float16)",
+        help="pdserve workers' KV dtype (auto: theirs, float16 on the CPU, as llama-server's)",
     )
     p.add_argument("--model", default=None, help="GGUF (default: SmolLM2-135M-Instruct)")
     p.add_argument("--slo-ttft-ms", type=float, default=4000.0)

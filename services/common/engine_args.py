@@ -51,9 +51,10 @@ class EngineArgs:
     )
     kv_cache_dtype: str = setting(
         "auto",
-        "KV cache dtype (auto: the engine's --dtype); float16 under float32 compute on the "
-        "CPU halves the KV bytes each decode step reads and doubles the tokens the pool "
-        "holds. Prefill and decode workers that exchange KV must use the same one",
+        "KV cache dtype: float16 under float32 compute on the CPU halves the bytes each "
+        "decode step reads and a transfer moves, and doubles the tokens the pool holds; "
+        "float32 is the exact-parity mode; auto: float16 on the CPU, the --dtype on cuda. "
+        "Prefill and decode workers that exchange KV must use the same one",
         choices=KV_DTYPES,
     )
     threads: int | None = setting(
@@ -105,6 +106,8 @@ class EngineArgs:
                 "--kv-cache-dtype float16 needs float32 compute on the CPU (on cuda, --dtype "
                 "float16 stores KV in float16)"
             )
+        if self.kv_cache_dtype == "float32" and self.dtype in ("bfloat16", "float16"):
+            raise ValueError(f"--kv-cache-dtype float32 needs float32 compute, not {self.dtype}")
         if self.chunked_prefill < 0:
             raise ValueError(f"chunked_prefill must be >= 0, got {self.chunked_prefill}")
 
@@ -116,6 +119,13 @@ class EngineArgs:
         if device != "cpu" or dtype != "float32":
             return "float32"  # packed weights run on the CPU, in float32 only
         return AUTO_WEIGHTS[role]
+
+    def kv_dtype(self, device: str, dtype: str) -> str:
+        """The KV dtype an engine on ``device`` (its type) computing in ``dtype`` stores."""
+        if self.kv_cache_dtype != "auto":
+            return self.kv_cache_dtype
+        # docs/benchmarks.md, "A float16 KV cache": llama.cpp's default too.
+        return "float16" if (device, dtype) == ("cpu", "float32") else dtype
 
     def engine_config(
         self, cpus: frozenset[int] | None = None, role: str = "colocated"
@@ -144,5 +154,5 @@ class EngineArgs:
             cpu_kernels=self.cpu_kernels,
             kv_staging=self.kv_staging,
             weights=self.weight_format(role, device.type, dtype),
-            kv_cache_dtype=self.kv_cache_dtype,
+            kv_cache_dtype=self.kv_dtype(device.type, dtype),
         )

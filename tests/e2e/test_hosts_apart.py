@@ -41,8 +41,9 @@ MODEL = "smollm2"
 SCHEDULER_PORT, REDIS_PORT, HTTP_PORT = 50050, 6379, 8000  # each host has its own ports
 WORKER_PORT, KV_PORT, METRICS_PORT = 50060, 50070, 9090
 LEASE_S = 1.5  # the scheduler's heartbeat lease: short, so a cut host lapses soon
-# SmolLM2-135M's KV per token: 30 layers x 3 KV heads x 64 dims x float32, K and V.
-KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 4 * 2
+# SmolLM2-135M's KV per token: 30 layers x 3 KV heads x 64 dims x float16 (the workers'
+# default on the CPU), K and V.
+KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2
 BLOCK = 16
 QUESTION = "What is the capital of France?"
 SHORT = 16

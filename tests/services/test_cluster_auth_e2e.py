@@ -13,11 +13,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.kv_cache import KVCacheSpec
-from engine.llm_engine import EngineConfig
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common import cluster_auth, placement_token
 from services.common.cluster_auth import ClusterAuth
 from services.common.convert import handle_to_proto
+from services.common.engine_args import EngineArgs
 from tests.services.procs import ServiceProcess, start_service
 from transfer.handle import KVLayout
 from transfer.registry import get_transport
@@ -90,10 +90,10 @@ async def test_prefill_without_the_token_is_unauthenticated(services) -> None:
 @pytest.fixture
 def regions(default_checkpoint):
     """Two KV regions of this process, laid out like the prefill worker's pool (shm)."""
-    cfg = EngineConfig()
+    cfg = EngineArgs(device="cpu").engine_config(role="prefill")
     spec = KVCacheSpec.for_model(
         default_checkpoint.config, num_blocks=4, block_size=cfg.block_size,
-        dtype=cfg.torch_dtype,
+        dtype=cfg.torch_kv_dtype,
     )  # fmt: skip
     transport = get_transport("shm")
     try:

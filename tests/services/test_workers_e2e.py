@@ -26,8 +26,9 @@ from transfer.handle import KVLayout
 from transfer.registry import get_transport
 
 MAX_TOKENS = 12
-# Bytes of one KV block of one layer's K or V: tokens x kv heads x head dim x float32.
-BLOCK_BYTES = 16 * 3 * 64 * 4
+# Bytes of one KV block of one layer's K or V: tokens x kv heads x head dim x float16 (the
+# workers' default KV dtype on the CPU).
+BLOCK_BYTES = 16 * 3 * 64 * 2
 BLOCK_ALL_LAYERS = BLOCK_BYTES * 2 * 30  # K and V of every layer: what moving a block costs
 # The decode workers' prefill deadline; with 2 s of grace, the KV lease of a failed prefill.
 PREFILL_DEADLINE_S = 10.0
@@ -462,37 +463,38 @@ async def test_staged_workers_equal_colocated(prompts, expected) -> None:
             p.stop()
 
 
-async def test_float16_kv_workers_equal_colocated_and_refuse_a_float32_peer(
+async def test_float32_kv_workers_equal_colocated_and_refuse_a_float16_peer(
     cluster, make_engine, prompts
 ) -> None:
-    """``--kv-cache-dtype float16`` on both workers: the colocated float16 engine's tokens,
-    half the KV bytes over the wire. A float32 decode worker cannot take a float16 prefill
-    worker's KV: a clear FAILED_PRECONDITION naming the dtype, never bytes misread."""
+    """``--kv-cache-dtype float32`` (the exact-parity mode) on both workers: the colocated
+    float32 engine's tokens, twice the default's KV bytes over the wire. A decode worker at
+    the default float16 cannot take a float32 prefill worker's KV: a clear
+    FAILED_PRECONDITION naming the dtype, never bytes misread."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    want = [r.token_ids for r in make_engine(kv_cache_dtype="float16").generate(prompts, params)]
+    want = [r.token_ids for r in make_engine(kv_cache_dtype="float32").generate(prompts, params)]
     procs: list[ServiceProcess] = []
     try:
         prefill = start_service("services.prefill", "--port", "0", "--kv-cache-mib", KV_MIB,
-                                "--kv-cache-dtype", "float16")  # fmt: skip
+                                "--kv-cache-dtype", "float32")  # fmt: skip
         procs.append(prefill)
         decode = start_service("services.decode", "--port", "0", "--kv-cache-mib", KV_MIB,
-                               "--transport", "shm", "--kv-cache-dtype", "float16")  # fmt: skip
+                               "--transport", "shm", "--kv-cache-dtype", "float32")  # fmt: skip
         procs.append(decode)
         ready = dict(part.split("=", 1) for part in decode.ready_line.split() if "=" in part)
-        assert ready["kv_dtype"] == "float16"
+        assert ready["kv_dtype"] == "float32"
         results = await asyncio.gather(
             *(
-                _generate(decode.address, _request(f"f16-{i}", ids, prefill.address))
+                _generate(decode.address, _request(f"f32-{i}", ids, prefill.address))
                 for i, ids in enumerate(prompts)
             )
         )
         assert [toks for toks, _ in results] == want
         blocks = sum(-(-len(ids) // 16) for ids in prompts)
-        assert sum(last.kv_transfer_bytes for _, last in results) == blocks * BLOCK_ALL_LAYERS // 2
+        assert sum(last.kv_transfer_bytes for _, last in results) == blocks * BLOCK_ALL_LAYERS * 2
 
-        wide_decode = cluster[0]["shm"]
+        default_decode = cluster[0]["shm"]
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await _generate(wide_decode.address, _request("mixed", prompts[0], prefill.address))
+            await _generate(default_decode.address, _request("mixed", prompts[0], prefill.address))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "dtype" in (err.value.details() or "")
     finally:

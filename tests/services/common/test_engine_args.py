@@ -39,9 +39,9 @@ def test_every_command_has_the_one_set_of_engine_defaults(command: str) -> None:
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_every_command_reads_every_engine_flag(command: str) -> None:
     custom = EngineArgs(
-        model="/models/x.gguf", dtype="bfloat16", threads=3, block_size=32, kv_cache_mib=64,
+        model="/models/x.gguf", dtype="float32", threads=3, block_size=32, kv_cache_mib=64,
         max_model_len=1024, max_num_seqs=8, chunked_prefill=256, prefix_caching=False,
-        cpu_kernels=False,
+        cpu_kernels=False, kv_cache_dtype="float32",
     )  # fmt: skip
     argv = settings.to_argv(custom)
     assert len(argv) > len(EngineArgs.__dataclass_fields__)  # every field differs
@@ -50,7 +50,24 @@ def test_every_command_reads_every_engine_flag(command: str) -> None:
 
 def test_the_kv_pool_default_holds_a_whole_context() -> None:
     # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x (K, V) x 4 bytes a token, 8,192 tokens
+    # even in float32 (the CPU default, float16, holds twice that)
     assert EngineArgs().kv_cache_mib << 20 >= 30 * 3 * 64 * 2 * 4 * 8192
+
+
+def test_kv_dtype_auto_is_float16_on_the_cpu_and_the_dtype_elsewhere() -> None:
+    auto = EngineArgs()
+    assert auto.kv_dtype("cpu", "float32") == "float16"
+    assert auto.kv_dtype("cuda", "bfloat16") == "bfloat16"
+    assert auto.kv_dtype("cpu", "bfloat16") == "bfloat16"
+    assert EngineArgs(kv_cache_dtype="float32").kv_dtype("cpu", "float32") == "float32"
+    assert EngineArgs(device="cpu").engine_config().kv_cache_dtype == "float16"
+    for bad in (
+        {"kv_cache_dtype": "float16", "dtype": "bfloat16"},
+        {"kv_cache_dtype": "float16", "device": "cuda"},
+        {"kv_cache_dtype": "float32", "dtype": "float16"},
+    ):
+        with pytest.raises(ValueError, match="kv-cache-dtype"):
+            EngineArgs(**bad)
 
 
 def test_engine_config_mapping() -> None:

@@ -1,0 +1,30 @@
+"""``make_engine`` for the service and stack tests: the engine tests' factory with the
+workers' default KV dtype (``EngineArgs``: float16 on the CPU), so an in-process reference
+computes what a served request does. A conftest imports ``served_make_engine``; pytest
+registers it under the fixture name ``make_engine``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+import tests.engine.conftest as engine_conftest
+from engine.checkpoint import Checkpoint
+from engine.llm_engine import LLMEngine
+from engine.tokenizer import Tokenizer
+from services.common.engine_args import EngineArgs
+
+
+@pytest.fixture(scope="session", name="make_engine")
+def served_make_engine(
+    default_checkpoint: Checkpoint, default_tokenizer: Tokenizer
+) -> Callable[..., LLMEngine]:
+    base = engine_conftest.make_engine.__wrapped__(default_checkpoint, default_tokenizer)
+    served = EngineArgs(device="cpu").kv_dtype("cpu", "float32")
+
+    def make(**overrides: object) -> LLMEngine:
+        overrides.setdefault("kv_cache_dtype", served)
+        return base(**overrides)
+
+    return make
