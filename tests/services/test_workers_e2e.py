@@ -386,8 +386,8 @@ async def test_a_second_turn_moves_only_the_blocks_the_decode_worker_lacks(
 def region(default_checkpoint):
     """A KV region of this test process laid out like the workers' pools (shm)."""
     spec = KVCacheSpec.for_model(
-        default_checkpoint.config, num_blocks=4, block_size=16, dtype=torch.float32
-    )
+        default_checkpoint.config, num_blocks=4, block_size=16, dtype=torch.float16
+    )  # float16: the workers' default KV dtype on the CPU
     transport = get_transport("shm")
     try:
         yield transport.register(KVLayout.from_spec(spec))
@@ -432,7 +432,7 @@ async def test_prefill_writes_only_the_blocks_after_num_present_tokens(cluster, 
     assert reply.kv_transfer_bytes == BLOCK_ALL_LAYERS  # block 3 only
     assert reply.num_computed_tokens + reply.num_cached_tokens == 32
     # [layer, K/V, block, token, head, dim]
-    blocks = region.tensor.view(torch.float32).view(30, 2, 4, 16, 3, 64)
+    blocks = region.tensor.view(torch.float16).view(30, 2, 4, 16, 3, 64)
     assert blocks[:, :, 3].abs().sum(dim=(2, 3, 4)).gt(0).all()  # every layer's K and V
     assert not blocks[:, :, [0, 1, 2]].any()  # the present block is left as it was
 
