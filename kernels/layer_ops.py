@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernels.extension import Extension
-from kernels.paged_attention import POOL_DTYPES
+from kernels.paged_attention import check_pools
 
 _EXTENSION = Extension("layer_ops", ("-ffp-contract=off", "-fopenmp-simd", "-fno-math-errno"))
 
@@ -86,11 +86,7 @@ def rope_write_kv(
     for name, t in (("cos", cos), ("sin", sin)):
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous float32 tensor")
-    for name, t in (("k_pool", k_pool), ("v_pool", v_pool)):
-        if t.dtype not in POOL_DTYPES or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a contiguous float32 or float16 CPU tensor")
-    if v_pool.dtype != k_pool.dtype:
-        raise ValueError(f"k_pool is {k_pool.dtype}, v_pool {v_pool.dtype}")
+    check_pools(k_pool, v_pool)
     if sin.shape != cos.shape or d % 2:
         raise ValueError("cos and sin must be equal [max_pos, D] tables with D even")
     pool_shape = (k_pool.shape[0], k_pool.shape[1], num_kv_heads, d)

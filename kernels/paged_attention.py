@@ -54,11 +54,7 @@ def decode_attention_cpu(
         raise ValueError(f"{heads} query heads do not group over {kv_heads} kv heads")
     if q.dtype != torch.float32 or not q.is_contiguous() or q.device.type != "cpu":
         raise ValueError("q must be a contiguous float32 CPU tensor")
-    for name, t in (("k_pool", k_pool), ("v_pool", v_pool)):
-        if t.dtype not in POOL_DTYPES or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a contiguous float32 or float16 CPU tensor")
-    if v_pool.dtype != k_pool.dtype:
-        raise ValueError(f"k_pool is {k_pool.dtype}, v_pool {v_pool.dtype}")
+    check_pools(k_pool, v_pool)
     if block_tables.dtype != torch.int64 or block_tables.dim() != 2 or block_tables.shape[0] != b:
         raise ValueError("block_tables must be int64 [B, max_blocks]")
     if context_lens.dtype != torch.int64 or context_lens.shape != (b,):
@@ -70,6 +66,15 @@ def decode_attention_cpu(
     out = torch.empty_like(q)
     mod.paged_decode_attention(out, q, k_pool, v_pool, block_tables, context_lens, scale)
     return out
+
+
+def check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
+    """Both pools contiguous CPU tensors of one dtype the kernels read (``POOL_DTYPES``)."""
+    for name, t in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if t.dtype not in POOL_DTYPES or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous float32 or float16 CPU tensor")
+    if v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"k_pool is {k_pool.dtype}, v_pool {v_pool.dtype}")
 
 
 def check_decode_ranges(

@@ -9,22 +9,16 @@ from collections.abc import Callable
 
 import pytest
 
-import tests.engine.conftest as engine_conftest
 from engine.checkpoint import Checkpoint
 from engine.llm_engine import LLMEngine
 from engine.tokenizer import Tokenizer
 from services.common.engine_args import EngineArgs
+from tests.engine.conftest import engine_factory
 
 
 @pytest.fixture(scope="session", name="make_engine")
 def served_make_engine(
     default_checkpoint: Checkpoint, default_tokenizer: Tokenizer
 ) -> Callable[..., LLMEngine]:
-    base = engine_conftest.make_engine.__wrapped__(default_checkpoint, default_tokenizer)
     served = EngineArgs(device="cpu").kv_dtype("cpu", "float32")
-
-    def make(**overrides: object) -> LLMEngine:
-        overrides.setdefault("kv_cache_dtype", served)
-        return base(**overrides)
-
-    return make
+    return engine_factory(default_checkpoint, default_tokenizer, kv_cache_dtype=served)

@@ -125,8 +125,8 @@ inline void softmax(float* __restrict x, int64_t n) {
   for (int64_t j = 0; j < n; ++j) x[j] *= inv;
 }
 
-// Ask for `rows` rows of D elements, `stride` apart, ahead of their use. LOCALITY 3: into
-// L1 (the next block's keys); 2: into L2 (this block's values, read after the softmax).
+// Ask for `rows` rows of D elements, `stride` apart, ahead of their use, at __builtin_prefetch's
+// LOCALITY (attend asks for 2, into L2: the keys two blocks ahead, this block's values).
 // A block's rows of one kv head are short runs at a stride, at a place the block table
 // chooses: the hardware prefetcher does not follow them, and waiting on each line costs
 // more than the arithmetic (measured: 21 vs 7 ms a batch-8 step from memory vs cache).

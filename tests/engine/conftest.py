@@ -46,11 +46,18 @@ def make_engine(
     default_checkpoint: Checkpoint, default_tokenizer: Tokenizer
 ) -> Callable[..., LLMEngine]:
     """Build an engine on the real model with config overrides, sharing loaded weights."""
+    return engine_factory(default_checkpoint, default_tokenizer)
+
+
+def engine_factory(
+    checkpoint: Checkpoint, tokenizer: Tokenizer, **defaults: object
+) -> Callable[..., LLMEngine]:
+    """Engines on ``checkpoint`` with config overrides, ``defaults`` under them."""
 
     def make(**overrides: object) -> LLMEngine:
-        overrides.setdefault("num_kv_blocks", 512)
-        cfg = EngineConfig(**overrides)  # type: ignore[arg-type]
-        return LLMEngine(cfg, checkpoint=default_checkpoint, tokenizer=default_tokenizer)
+        config = {"num_kv_blocks": 512, **defaults, **overrides}
+        cfg = EngineConfig(**config)  # type: ignore[arg-type]
+        return LLMEngine(cfg, checkpoint=checkpoint, tokenizer=tokenizer)
 
     return make
 
