@@ -25,7 +25,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -173,6 +175,126 @@ void row_dot_scalar(int64_t t, const uint8_t* row, int64_t K, const float* x, in
     }
     for (int64_t r = 0; r < mr; ++r) out[(m0 + r) * ldo] = acc[r];
   }
+}
+
+// ---- int8 activations ------------------------------------------------------------------
+// qlinear_i8 first quantizes each row of x per 32 elements as llama.cpp's Q8_0 does:
+// dx = max|x| / 127, qx = round-half-even(x * (1 / dx)) in [-127, 127], and sx = dx * sum(qx).
+// Each chunk's product is then an exact integer sum of weight codes times qx, scaled once:
+//   sum(x w) ~ (d * dx) * sum(q qx) + m * sx        (w = d q + m; Q6_K: one d per 16)
+// The same float32 operations as kernels/quant_linear.py's reference, so a quantized
+// activation is bit-identical to it; the product differs from the float32 one by the
+// activations' rounding (relative 1e-3 at most on the model; docs/benchmarks.md).
+
+constexpr float kTinyAmax = 1e-30f;  // below this a chunk is zero (1 / dx would overflow)
+
+// A chunk holding a NaN or an infinity has codes 0 and dx = sx = NaN: its products are NaN,
+// as a float32 product would be, instead of numbers made from clamped garbage.
+inline bool special_chunk(float amax, bool finite, int8_t* q, float& d, float& s) {
+  if (finite && amax >= kTinyAmax) return false;
+  std::memset(q, 0, 32);
+  d = s = finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
+  return true;
+}
+
+void quantize_chunk_scalar(const float* x, int8_t* q, float& d, float& s) {
+  float amax = 0.f;
+  bool finite = true;
+  for (int i = 0; i < 32; ++i) {
+    finite = finite && std::isfinite(x[i]);
+    amax = std::max(amax, std::fabs(x[i]));
+  }
+  if (special_chunk(amax, finite, q, d, s)) return;
+  d = amax / 127.f;
+  const float id = 1.f / d;
+  int sum = 0;
+  for (int i = 0; i < 32; ++i) {
+    const float v = std::min(127.f, std::max(-127.f, std::nearbyint(x[i] * id)));
+    q[i] = static_cast<int8_t>(v);
+    sum += q[i];
+  }
+  s = d * static_cast<float>(sum);
+}
+
+// One chunk as integer codes: w = d[i / 16] * q + m.
+void chunk_codes(int64_t t, const uint8_t* row, int64_t c, int q[32], float d[2], float& m) {
+  switch (t) {
+    case Q8_0: {
+      const uint8_t* b = row + c * 34;
+      d[0] = d[1] = half_to_float(b);
+      m = 0.f;
+      for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>(b[2 + i]);
+      return;
+    }
+    case Q4_0:
+    case Q4_1: {
+      const int64_t size = t == Q4_0 ? 18 : 20, off = t == Q4_0 ? 2 : 4;
+      const uint8_t* b = row + c * size;
+      d[0] = d[1] = half_to_float(b);
+      m = t == Q4_0 ? -8.f * d[0] : half_to_float(b + 2);
+      for (int i = 0; i < 16; ++i) {
+        q[i] = b[off + i] & 0xF;
+        q[i + 16] = b[off + i] >> 4;
+      }
+      return;
+    }
+    case Q4_K: {
+      const uint8_t* b = row + (c / 8) * 144;
+      const int64_t j = c % 8;
+      int sc, mn;
+      q4k_scale_min(b + 4, j, sc, mn);
+      d[0] = d[1] = half_to_float(b) * static_cast<float>(sc);
+      m = -(half_to_float(b + 2) * static_cast<float>(mn));
+      const uint8_t* qs = b + 16 + (j / 2) * 32;
+      const int shift = (j % 2) * 4;
+      for (int i = 0; i < 32; ++i) q[i] = (qs[i] >> shift) & 0xF;
+      return;
+    }
+    case Q6_K: {
+      const uint8_t* b = row + (c / 8) * 210;
+      const int64_t j = c % 8, h = j / 4, t4 = j % 4;
+      const uint8_t* ql = b + 64 * h + (t4 % 2) * 32;
+      const uint8_t* qh = b + 128 + 32 * h;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * h + 2 * t4;
+      const float dd = half_to_float(b + 208);
+      d[0] = dd * static_cast<float>(sc[0]);
+      d[1] = dd * static_cast<float>(sc[1]);
+      m = 0.f;
+      const int lshift = (t4 / 2) * 4, hshift = 2 * t4;
+      for (int i = 0; i < 32; ++i)
+        q[i] = (((ql[i] >> lshift) & 0xF) | (((qh[i] >> hshift) & 3) << 4)) - 32;
+      return;
+    }
+    default: TORCH_CHECK(false, "quantization type ", t, " has no kernel");
+  }
+}
+
+// Quantized activations: codes [M, K], and per chunk dx and sx [M, K / 32].
+struct QuantRows {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+};
+
+void row_dot_i8_scalar(int64_t t, const uint8_t* row, int64_t K, QuantRows x, int64_t M,
+                       float* out, int64_t ldo) {
+  const int64_t chunks = K / 32;
+  int w[32];
+  float d[2], m;
+  std::vector<float> acc(M, 0.f);
+  for (int64_t c = 0; c < chunks; ++c) {
+    chunk_codes(t, row, c, w, d, m);
+    for (int64_t r = 0; r < M; ++r) {
+      const int8_t* xq = x.q + r * K + 32 * c;
+      int lo = 0, hi = 0;
+      for (int i = 0; i < 16; ++i) lo += w[i] * xq[i];
+      for (int i = 16; i < 32; ++i) hi += w[i] * xq[i];
+      const float dx = x.d[r * chunks + c];
+      acc[r] += (d[0] * dx) * static_cast<float>(lo) + (d[1] * dx) * static_cast<float>(hi) +
+                m * x.s[r * chunks + c];
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) out[r * ldo] = acc[r];
 }
 
 #ifdef PDSERVE_AVX2
@@ -424,6 +546,158 @@ void dequantize_avx2(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, 
   });
 }
 
+// ---- AVX2 path with int8 activations ------------------------------------------------------
+
+void quantize_chunk_avx2(const float* x, int8_t* q, float& d, float& s) {
+  const __m256 sign = _mm256_set1_ps(-0.f), inf = _mm256_set1_ps(INFINITY);
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps(), special = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    const __m256 a = _mm256_andnot_ps(sign, v[i]);
+    special = _mm256_or_ps(special, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  // inf or NaN
+    amax = _mm256_max_ps(amax, a);
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  if (special_chunk(_mm_cvtss_f32(m4), _mm256_movemask_ps(special) == 0, q, d, s)) return;
+  const float a = _mm_cvtss_f32(m4);
+  d = a / 127.f;
+  const __m256 id = _mm256_set1_ps(1.f / d);
+  const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  __m256i iv[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 r =
+        _mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    iv[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
+  }
+  const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]),
+                                         _mm256_add_epi32(iv[2], iv[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  s = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+  // int32 -> int8 packs per 128-bit lane; the permute puts the 32 codes back in order.
+  const __m256i p16a = _mm256_packs_epi32(iv[0], iv[1]), p16b = _mm256_packs_epi32(iv[2], iv[3]);
+  const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+  const __m256i ordered =
+      _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), ordered);
+}
+
+// Which types' codes are signed (their products use the sign trick below); the others'
+// codes are 0..15 with the offset in m.
+template <int64_t t>
+constexpr bool kSignedCodes = t == Q8_0 || t == Q6_K;
+
+// One chunk's 32 codes as bytes (element order), its scale per 8 lanes of a product (lanes
+// 0..3 hold elements 0..15, lanes 4..7 elements 16..31) and its offset m.
+template <int64_t t>
+inline __m256i chunk_codes_avx2(const uint8_t* row, int64_t c, __m256& dv, float& m) {
+  const __m256i lo4 = _mm256_set1_epi8(0xF);
+  if constexpr (t == Q8_0) {
+    const uint8_t* b = row + c * 34;
+    dv = bcast_half(b);
+    m = 0.f;
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+  } else if constexpr (t == Q4_0 || t == Q4_1) {
+    const int64_t size = t == Q4_0 ? 18 : 20, off = t == Q4_0 ? 2 : 4;
+    const uint8_t* b = row + c * size;
+    const float d = half_f16c(b);
+    dv = _mm256_set1_ps(d);
+    m = t == Q4_0 ? -8.f * d : half_f16c(b + 2);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + off));
+    const __m128i lo = _mm_and_si128(q, _mm256_castsi256_si128(lo4));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm256_castsi256_si128(lo4));
+    return _mm256_set_m128i(hi, lo);
+  } else if constexpr (t == Q4_K) {
+    const uint8_t* b = row + (c / 8) * 144;
+    const int64_t j = c % 8;
+    int sc, mn;
+    q4k_scale_min(b + 4, j, sc, mn);
+    dv = _mm256_set1_ps(half_f16c(b) * static_cast<float>(sc));
+    m = -(half_f16c(b + 2) * static_cast<float>(mn));
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + (j / 2) * 32));
+    return _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(static_cast<int>(j % 2) * 4)),
+                            lo4);
+  } else {  // Q6_K
+    const uint8_t* b = row + (c / 8) * 210;
+    const int64_t j = c % 8, h = j / 4, t4 = j % 4;
+    const __m256i ql =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + (t4 % 2) * 32));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * h + 2 * t4;
+    const float d = half_f16c(b + 208);
+    dv = _mm256_set_m128(_mm_set1_ps(d * static_cast<float>(sc[1])),
+                         _mm_set1_ps(d * static_cast<float>(sc[0])));
+    m = 0.f;
+    const __m256i lo = _mm256_and_si256(
+        _mm256_srl_epi16(ql, _mm_cvtsi32_si128(static_cast<int>(t4 / 2) * 4)), lo4);
+    const __m256i hi = _mm256_and_si256(
+        _mm256_srl_epi16(qh, _mm_cvtsi32_si128(static_cast<int>(2 * t4))), _mm256_set1_epi8(3));
+    // hi <= 3, so the 16-bit shift keeps each byte's bits inside its byte.
+    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+  }
+}
+
+// Rows [m0, m0 + R) of quantized x against one row of W: each chunk's codes feed R rows.
+// maddubs multiplies unsigned by signed bytes, so signed codes give it |w| and x carrying
+// w's sign; the pair sums stay far inside int16 (|w| <= 128, |qx| <= 127).
+template <int64_t t, int R>
+inline void row_dot_i8_avx2(const uint8_t* row, int64_t K, QuantRows x, float* out,
+                            int64_t ldo) {
+  const int64_t chunks = K / 32;
+  constexpr int64_t chunk_bytes = layout_of(t).bytes * 32 / layout_of(t).elems;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  float macc[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    macc[r] = 0.f;
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + c * chunk_bytes + PREFETCH), _MM_HINT_T0);
+    __m256 dv;
+    float m;
+    const __m256i w = chunk_codes_avx2<t>(row, c, dv, m);
+    const __m256i wu = kSignedCodes<t> ? _mm256_sign_epi8(w, w) : w;
+    for (int r = 0; r < R; ++r) {
+      __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + r * K + 32 * c));
+      if constexpr (kSignedCodes<t>) xq = _mm256_sign_epi8(xq, w);
+      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xq), ones);
+      const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(x.d[r * chunks + c]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r]);
+      if constexpr (!kSignedCodes<t>) macc[r] += m * x.s[r * chunks + c];
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = hsum(acc[r]) + macc[r];
+}
+
+template <int64_t t>
+void row_dot_i8_avx2_any(const uint8_t* row, int64_t K, QuantRows x, int64_t M, float* out,
+                         int64_t ldo) {
+  const int64_t chunks = K / 32;
+  auto at = [&](int64_t m0) {
+    return QuantRows{x.q + m0 * K, x.d + m0 * chunks, x.s + m0 * chunks};
+  };
+  int64_t m0 = 0;
+  for (; m0 + MR <= M; m0 += MR)
+    row_dot_i8_avx2<t, MR>(row, K, at(m0), out + m0 * ldo, ldo);
+  const QuantRows rest = at(m0);
+  out += m0 * ldo;
+  switch (M - m0) {
+    case 7: row_dot_i8_avx2<t, 7>(row, K, rest, out, ldo); break;
+    case 6: row_dot_i8_avx2<t, 6>(row, K, rest, out, ldo); break;
+    case 5: row_dot_i8_avx2<t, 5>(row, K, rest, out, ldo); break;
+    case 4: row_dot_i8_avx2<t, 4>(row, K, rest, out, ldo); break;
+    case 3: row_dot_i8_avx2<t, 3>(row, K, rest, out, ldo); break;
+    case 2: row_dot_i8_avx2<t, 2>(row, K, rest, out, ldo); break;
+    case 1: row_dot_i8_avx2<t, 1>(row, K, rest, out, ldo); break;
+    default: break;
+  }
+}
+
 // Calls f.template operator()<T>() for the runtime type id.
 template <typename F>
 void dispatch(int64_t t, F&& f) {
@@ -484,7 +758,65 @@ void dequantize(torch::Tensor out, torch::Tensor w, int64_t qtype, bool portable
   });
 }
 
+// x [M, K] float32 -> q int8 [M, K], d and s float32 [M, K / 32] (see quantize_chunk_scalar).
+void quantize_activations(torch::Tensor q, torch::Tensor d, torch::Tensor s, torch::Tensor x,
+                          bool portable) {
+  const int64_t M = x.size(0), K = x.size(1), chunks = K / 32;
+  TORCH_CHECK(K % 32 == 0 && q.numel() == M * K && d.numel() == M * chunks &&
+                  s.numel() == M * chunks,
+              "quantize_activations: bad shapes");
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* dp = d.data_ptr<float>();
+  float* sp = s.data_ptr<float>();
+  auto one = quantize_chunk_scalar;
+#ifdef PDSERVE_AVX2
+  if (!portable) one = quantize_chunk_avx2;
+#endif
+  (void)portable;
+  for (int64_t i = 0; i < M * chunks; ++i) one(xp + 32 * i, qp + 32 * i, dp[i], sp[i]);
+}
+
+void qlinear_i8(torch::Tensor out, torch::Tensor x, torch::Tensor w, int64_t qtype,
+                bool portable) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), chunks = K / 32;
+  const Layout l = layout_of(qtype);
+  TORCH_CHECK(l.elems > 0, "quantization type ", qtype, " has no kernel");
+  TORCH_CHECK(K % l.elems == 0 && w.size(1) == K / l.elems * l.bytes, "qlinear_i8: bad shapes");
+  std::vector<int8_t> q(M * K);
+  std::vector<float> d(M * chunks), s(M * chunks);
+  const QuantRows xq{q.data(), d.data(), s.data()};
+  {
+    auto qt = torch::from_blob(q.data(), {M, K}, torch::kInt8);
+    auto dt = torch::from_blob(d.data(), {M, chunks}, torch::kFloat32);
+    auto st = torch::from_blob(s.data(), {M, chunks}, torch::kFloat32);
+    quantize_activations(qt, dt, st, x, portable);
+  }
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t row_bytes = w.size(1);
+#ifdef PDSERVE_AVX2
+  if (!portable) {
+    dispatch(qtype, [&](auto t) {
+      at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t n = begin; n < end; ++n)
+          row_dot_i8_avx2_any<decltype(t)::value>(wp + n * row_bytes, K, xq, M, op + n, N);
+      });
+    });
+    return;
+  }
+#endif
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      row_dot_i8_scalar(qtype, wp + n * row_bytes, K, xq, M, op + n, N);
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "out = x @ W^T for a GGUF-quantized W (float32 x, CPU)");
   m.def("dequantize", &dequantize, "rows of a GGUF-quantized W as float32 (CPU)");
+  m.def("qlinear_i8", &qlinear_i8,
+        "out = x @ W^T with x quantized per 32 elements to int8 first (CPU)");
+  m.def("quantize_activations", &quantize_activations,
+        "x's rows as int8 codes per 32 elements, with each chunk's scale and scaled sum");
 }
