@@ -32,7 +32,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import Tokenizer
-from kernels.quant_linear import ACTIVATIONS, QuantizedWeight
+from kernels.quant_linear import QuantizedWeight
 from kernels.quant_linear import kernel_available as quant_kernel_available
 
 log = structlog.get_logger(__name__)
@@ -86,11 +86,6 @@ class EngineConfig:
     # the CPU halves the bytes every decode step reads (and the pool's footprint); attention
     # widens the stored values back to float32. Workers that exchange KV must agree on it.
     kv_cache_dtype: str = "auto"
-    # What the products over packed weights multiply them by: "float32" activations as
-    # computed, or "int8": each row quantized per 32 elements first (llama.cpp's way), integer
-    # products, fewer operations per weight; not the same numbers as float32 (docs/benchmarks.md,
-    # "int8 activations"). Applies to quantized weights' fused kernel only.
-    activations: str = "float32"
 
     def __post_init__(self) -> None:
         device = resolve_device(self.device)
@@ -126,15 +121,6 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"quantized weights run on the CPU only; device {self.device!r} needs "
                 "weights='float32' (dense weights in the engine's dtype)"
-            )
-        if self.activations not in ACTIVATIONS:
-            raise InvalidRequestError(
-                f"activations must be one of {list(ACTIVATIONS)}, got {self.activations!r}"
-            )
-        if self.activations == "int8" and self.weights != "quantized":
-            raise InvalidRequestError(
-                "int8 activations multiply packed quantized weights; they need "
-                "weights='quantized'"
             )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise InvalidRequestError(f"block_size must be a power of two, got {self.block_size}")
@@ -259,7 +245,6 @@ class LLMEngine:
             cpu_kernels=config.cpu_kernels,
             device=self.device,
             triton_kernels=config.uses_triton,
-            int8_activations=config.activations == "int8",
         )
         self.max_model_len = min(
             config.max_model_len or ckpt.config.max_position_embeddings,

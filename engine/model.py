@@ -50,7 +50,7 @@ class _Stacked:
 
 
 def _linear(
-    parts: list[Weight], pack: bool | None, scratch: DenseScratch | None, int8: bool = False
+    parts: list[Weight], pack: bool | None, scratch: DenseScratch | None
 ) -> Linear | _Stacked:
     """One product over the rows of ``parts`` stacked (q, k, v; gate, up)."""
     if all(isinstance(p, torch.Tensor) for p in parts):
@@ -59,32 +59,25 @@ def _linear(
     packed = [p for p in parts if isinstance(p, QuantizedWeight)]
     if len(packed) == len(parts) and len({(p.qtype, p.shape[1]) for p in packed}) == 1:
         weight = QuantizedWeight.concat(packed) if len(packed) > 1 else packed[0]
-        return QuantLinear(weight, scratch, int8_activations=int8)
-    return _Stacked([_linear([p], pack, scratch, int8) for p in parts])  # type: ignore[misc]
+        return QuantLinear(weight, scratch)
+    return _Stacked([_linear([p], pack, scratch) for p in parts])  # type: ignore[misc]
 
 
 class _Layer:
     __slots__ = ("attn_norm", "down", "gate_up", "mlp_norm", "o", "qkv")
 
     def __init__(
-        self,
-        t: dict[str, Weight],
-        i: int,
-        pack: bool | None,
-        scratch: DenseScratch,
-        int8: bool,
+        self, t: dict[str, Weight], i: int, pack: bool | None, scratch: DenseScratch
     ) -> None:
         p = f"model.layers.{i}."
         self.attn_norm = _dense(t[p + "input_layernorm.weight"])
         self.mlp_norm = _dense(t[p + "post_attention_layernorm.weight"])
-        self.qkv = _linear(
-            [t[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], pack, scratch, int8
-        )
-        self.o = _linear([t[p + "self_attn.o_proj.weight"]], pack, scratch, int8)
+        self.qkv = _linear([t[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], pack, scratch)
+        self.o = _linear([t[p + "self_attn.o_proj.weight"]], pack, scratch)
         self.gate_up = _linear(
-            [t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]], pack, scratch, int8
+            [t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]], pack, scratch
         )
-        self.down = _linear([t[p + "mlp.down_proj.weight"]], pack, scratch, int8)
+        self.down = _linear([t[p + "mlp.down_proj.weight"]], pack, scratch)
 
     def linears(self) -> list[Linear]:
         out: list[Linear] = []
@@ -146,9 +139,7 @@ class LlamaModel:
     attention, never the packed oneDNN weights or the C++ attention kernel (both apply on
     the CPU only). ``triton_kernels`` runs decode attention and the KV store as the Triton
     kernels of ``kernels/triton`` (the CUDA path; on the CPU only under triton's
-    interpreter, which is how the tests run it). ``int8_activations``: packed weights'
-    fused products quantize their input rows to int8 (``kernels.quant_linear.qlinear_int8``).
-    """
+    interpreter, which is how the tests run it)."""
 
     def __init__(
         self,
@@ -158,7 +149,6 @@ class LlamaModel:
         cpu_kernels: bool = True,
         device: torch.device | str = "cpu",
         triton_kernels: bool = False,
-        int8_activations: bool = False,
     ) -> None:
         self.config = config
         self.device = torch.device(device)
@@ -176,12 +166,9 @@ class LlamaModel:
         # table. Tied heads share a packed embedding; a dense one gets its own packed copy.
         self.embed = tensors["model.embed_tokens.weight"]
         head = self.embed if config.tie_word_embeddings else tensors["lm_head.weight"]
-        self.lm_head = _linear([head], pack, None, int8_activations)
+        self.lm_head = _linear([head], pack, None)
         self.scratch = DenseScratch()
-        self.layers = [
-            _Layer(tensors, i, pack, self.scratch, int8_activations)
-            for i in range(config.num_layers)
-        ]
+        self.layers = [_Layer(tensors, i, pack, self.scratch) for i in range(config.num_layers)]
         largest = max(
             (
                 m.out_features * m.in_features

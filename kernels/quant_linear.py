@@ -116,64 +116,6 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, *, portable: bool = False) -> t
     return out
 
 
-ACTIVATIONS = ("float32", "int8")
-
-
-def qlinear_int8(x: torch.Tensor, w: QuantizedWeight, *, portable: bool = False) -> torch.Tensor:
-    """``x @ W^T`` with each row of ``x`` first quantized per 32 elements to int8
-    (``quantize_activations``): integer products of weight codes and activation codes, scaled
-    once per chunk. Several times less arithmetic than ``qlinear``; the result differs from
-    it by the activations' rounding (docs/benchmarks.md, "int8 activations")."""
-    out_f, in_f = w.shape
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != in_f:
-        raise ValueError(
-            f"quantized linear takes float32 [M, {in_f}], got {x.dtype} {tuple(x.shape)}"
-        )
-    if x.device.type != "cpu":
-        raise ValueError("quantized linear runs on CPU tensors")
-    out = x.new_empty((x.shape[0], out_f))
-    if x.shape[0]:
-        _EXTENSION.require().qlinear_i8(out, x.contiguous(), w.data, int(w.qtype), portable)
-    return out
-
-
-def quantize_activations(
-    x: torch.Tensor, *, portable: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's quantization of float32 ``x`` ``[M, K]`` (``K`` a multiple of 32): int8
-    codes ``[M, K]``, and per 32-element chunk its scale ``dx`` and ``dx * sum(codes)``
-    ``[M, K / 32]``. Equal, bit for bit, to ``quantize_activations_reference``."""
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] % 32:
-        raise ValueError(f"activations are float32 [M, 32k], got {x.dtype} {tuple(x.shape)}")
-    m, k = x.shape
-    q = torch.empty((m, k), dtype=torch.int8)
-    d = torch.empty((m, k // 32), dtype=torch.float32)
-    s = torch.empty_like(d)
-    _EXTENSION.require().quantize_activations(q, d, s, x.contiguous(), portable)
-    return q, d, s
-
-
-def quantize_activations_reference(
-    x: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Torch's statement of the activation quantization (llama.cpp's Q8_0 rule): per chunk of
-    32, ``dx = max|x| / 127`` and codes ``round-half-even(x * (1 / dx))``; a chunk whose
-    ``max|x|`` is under 1e-30 is zero, one holding a NaN or an infinity has codes 0 and
-    ``dx`` NaN (its products are NaN, as float32 ones would be)."""
-    m, k = x.shape
-    chunks = x.reshape(m, k // 32, 32)
-    amax = chunks.abs().amax(dim=-1)
-    special = ~torch.isfinite(chunks).all(dim=-1)
-    tiny = ~(amax >= 1e-30) & ~special
-    d = amax / 127.0
-    inv = torch.where(tiny | special, torch.zeros_like(d), 1.0 / torch.where(tiny, 1.0, d))
-    q = torch.round(chunks * inv.unsqueeze(-1)).clamp(-127, 127)
-    q = torch.where((tiny | special).unsqueeze(-1), 0.0, q).to(torch.int8)
-    d = torch.where(tiny, 0.0, torch.where(special, float("nan"), d))
-    s = d * q.sum(dim=-1, dtype=torch.int32).to(torch.float32)
-    return q.reshape(m, k), d, s
-
-
 def dequantize(w: QuantizedWeight, *, portable: bool = False) -> torch.Tensor:
     """The dense float32 ``[out_features, in_features]`` weight."""
     out = torch.empty(w.shape, dtype=torch.float32)
@@ -225,32 +167,22 @@ class QuantLinear:
     ``scratch`` and run torch's GEMM: against a product of that many rows the dequantizing
     is cheap, and the GEMM is faster than the fused kernel there. Without a scratch (the LM
     head, whose dense copy would cost more memory than the packed model) every batch runs the
-    fused kernel. ``int8_activations``: the fused kernel quantizes the rows to int8 first
-    (``qlinear_int8``); the dense GEMM always takes them as they are."""
+    fused kernel."""
 
     DENSE_ROWS = 64
 
-    __slots__ = ("in_features", "int8_activations", "out_features", "scratch", "weight")
+    __slots__ = ("in_features", "out_features", "scratch", "weight")
 
-    def __init__(
-        self,
-        weight: QuantizedWeight,
-        scratch: DenseScratch | None = None,
-        *,
-        int8_activations: bool = False,
-    ) -> None:
+    def __init__(self, weight: QuantizedWeight, scratch: DenseScratch | None = None) -> None:
         self.weight = weight
         self.out_features, self.in_features = weight.shape
         self.scratch = scratch
-        self.int8_activations = int8_activations
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scratch is not None and x.dim() == 2 and x.shape[0] > self.DENSE_ROWS:
             dense = self.scratch.take(self.weight.shape)
             _EXTENSION.require().dequantize(dense, self.weight.data, int(self.weight.qtype), False)
             return torch.nn.functional.linear(x, dense)
-        if self.int8_activations:
-            return qlinear_int8(x, self.weight)
         return qlinear(x, self.weight)
 
     def dense(self) -> torch.Tensor:
