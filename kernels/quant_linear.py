@@ -162,14 +162,19 @@ class DenseScratch:
 class QuantLinear:
     """``y = x @ W^T`` over packed blocks, ``x`` float32 ``[M, in]``.
 
-    Up to ``DENSE_ROWS`` rows (decode batches, short prompts) run the fused kernel, which
-    reads the packed weight once. More rows (a prefill) dequantize the weight into
-    ``scratch`` and run torch's GEMM: against a product of that many rows the dequantizing
-    is cheap, and the GEMM is faster than the fused kernel there. Without a scratch (the LM
-    head, whose dense copy would cost more memory than the packed model) every batch runs the
-    fused kernel."""
+    Up to ``DENSE_ROWS`` rows (decode batches, short prompts) run the fused kernel
+    (``fused``), which reads the packed weight once and shares each dequantized vector over
+    8 rows. More rows dequantize the weight into ``scratch`` and run torch's GEMM
+    (``dense_gemm``): past ~24 rows the GEMM's register blocking outruns the fused kernel
+    by more than the dequantizing costs (``python -m bench.quant_products``, in
+    docs/benchmarks.md). Without a scratch (the LM head, whose dense copy would cost more
+    memory than the packed model) every batch runs the fused kernel.
 
-    DENSE_ROWS = 64
+    The fused kernel adds a row's terms in the same order whatever else is in the batch;
+    torch's GEMM may not, so batches of more than ``DENSE_ROWS`` rows can differ from
+    smaller ones in the last bits."""
+
+    DENSE_ROWS = 24
 
     __slots__ = ("in_features", "out_features", "scratch", "weight")
 
@@ -180,10 +185,18 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scratch is not None and x.dim() == 2 and x.shape[0] > self.DENSE_ROWS:
-            dense = self.scratch.take(self.weight.shape)
-            _EXTENSION.require().dequantize(dense, self.weight.data, int(self.weight.qtype), False)
-            return torch.nn.functional.linear(x, dense)
+            return self.dense_gemm(x)
+        return self.fused(x)
+
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
         return qlinear(x, self.weight)
+
+    def dense_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scratch is None:
+            raise ValueError("this layer has no scratch to dequantize its weight into")
+        dense = self.scratch.take(self.weight.shape)
+        _EXTENSION.require().dequantize(dense, self.weight.data, int(self.weight.qtype), False)
+        return torch.nn.functional.linear(x, dense)
 
     def dense(self) -> torch.Tensor:
         return dequantize(self.weight)

@@ -14,7 +14,8 @@
 //
 // Work is split over output columns (rows of W): each weight byte is read once per call,
 // whatever M is. Up to MR input rows share each dequantized vector (rows of x stay in
-// cache), so batches of 2..64 pay for dequantization once per MR (8) rows, not per row.
+// cache), so batches of 2..24 (QuantLinear.DENSE_ROWS) pay for dequantization once per MR (8)
+// rows, not per row.
 //
 // Shapes and dtypes are checked by the Python launcher (kernels/quant_linear.py):
 //   x   [M, K]                 float32, contiguous

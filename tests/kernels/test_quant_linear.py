@@ -96,6 +96,8 @@ def test_quant_linear_large_batches_use_the_dense_gemm_and_agree() -> None:
     assert torch.equal(layer.dense(), ref)
     headless = QuantLinear(w)  # no scratch: the fused kernel at any size
     assert_product(headless(big), big, ref)
+    with pytest.raises(ValueError, match="no scratch"):
+        headless.dense_gemm(big)
 
 
 def test_concat_stacks_rows() -> None:
