@@ -254,3 +254,24 @@ def test_quick_run_reports_every_size(tmp_path: Path) -> None:
     assert f"{1000 / step_ms:.1f} ({step_ms:.1f} ms)" in proc.stdout  # batch 1's llama.cpp cell
     assert all(r["llama_cpp"] != "—" for r in data["rows"]), data["rows"]
     assert data["llama_cpp_skipped"] == []
+
+
+def test_decode_timing_holds_a_batch_prefilled_over_several_steps(tmp_path: Path) -> None:
+    # A step's token budget holds one prompt: the batch starts over four steps and its first
+    # sequences decode meanwhile; every timed step must still carry the whole batch.
+    import torch
+
+    from bench.engine import _engine_decode_s
+    from engine.checkpoint import default_model_path
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.tokenizer import Tokenizer
+    from tests.engine.tiny_models import write_tiny_gguf
+
+    model = tmp_path / "tiny.gguf"
+    write_tiny_gguf(model)
+    cfg = EngineConfig(model=str(model), num_kv_blocks=64, max_num_batched_tokens=48)
+    engine = LLMEngine(cfg, tokenizer=Tokenizer.from_path(default_model_path()))
+    prompts = torch.randint(5, 200, (4, 40), generator=torch.Generator().manual_seed(0))
+    times = _engine_decode_s(engine, prompts, steps=3, repeats=2)
+    assert len(times) == 2 and min(times) > 0
+    assert not engine.has_unfinished()
