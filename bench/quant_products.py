@@ -2,12 +2,13 @@
 
 ``kernels.quant_linear.QuantLinear`` runs a product of up to ``DENSE_ROWS`` rows in the
 fused kernel (each dequantized vector shared by 8 rows) and a larger one by dequantizing the
-weight into a scratch buffer and calling torch's GEMM. This tool measures both ways at each
-batch size on the model's own layer weights (layer 0's packed matrices, stacked as the model
-stacks them: qkv, o, gate_up, down), times the number of layers: the products of a decode
-step without the LM head, which always runs fused. The two ways take turns repeat by repeat
-(the host's speed drifts within minutes); reported: each one's median ms per step, dense ÷
-fused per repeat, and which one ``QuantLinear`` picks at that batch.
+weight into a scratch buffer and calling torch's GEMM (the LM head, larger than the scratch,
+a panel of rows at a time). This tool measures both ways at each batch size on the model's
+own weights: layer 0's packed matrices, stacked as the model stacks them (qkv, o, gate_up,
+down), times the number of layers, plus the LM head once: the products of a decode step.
+The two ways take turns repeat by repeat (the host's speed drifts within minutes); reported:
+each one's median ms per step, dense ÷ fused per repeat, and which one ``QuantLinear`` picks
+at that batch.
 """
 
 from __future__ import annotations
@@ -50,19 +51,24 @@ def run(
     linears = [m for m in net.layers[0].linears() if isinstance(m, QuantLinear)]
     if not linears:
         raise SystemExit(f"{ckpt.path} has no packed layer weights (not a quantized GGUF)")
-    layers = ckpt.config.num_layers
+    # (the product, how many a step runs): each layer's, and the head's once
+    counted = [(m, ckpt.config.num_layers) for m in linears]
+    if isinstance(net.lm_head, QuantLinear):
+        counted.append((net.lm_head, 1))
     gen = torch.Generator().manual_seed(seed)
     figures = []
     for batch in batches:
-        xs = [torch.randn(batch, m.in_features, generator=gen) for m in linears]
-        ways = {"fused": [m.fused for m in linears], "dense": [m.dense_gemm for m in linears]}
+        xs = [torch.randn(batch, m.in_features, generator=gen) for m, _ in counted]
         times: dict[str, list[float]] = {w: [] for w in WAYS}
         for _ in range(repeats + 1):  # the first round is a warm-up
             for way in WAYS:
-                t0 = time.perf_counter()
-                for product, x in zip(ways[way], xs, strict=True):
+                total = 0.0
+                for (m, count), x in zip(counted, xs, strict=True):
+                    product = m.fused if way == "fused" else m.dense_gemm
+                    t0 = time.perf_counter()
                     product(x)
-                times[way].append(1000.0 * layers * (time.perf_counter() - t0))
+                    total += count * (time.perf_counter() - t0)
+                times[way].append(1000.0 * total)
         figures.append(Figure(batch, tuple(times["fused"][1:]), tuple(times["dense"][1:])))
     return figures
 

@@ -30,6 +30,7 @@ from kernels.paged_attention import check_decode_ranges
 from kernels.quant_linear import DenseScratch, QuantizedWeight, QuantLinear, dequantize_rows
 
 Linear = PackedLinear | QuantLinear
+HEAD_PANEL_ROWS = 4096  # a packed head's panel when no layer weight sizes the scratch
 
 
 class _Stacked:
@@ -166,8 +167,10 @@ class LlamaModel:
         # table. Tied heads share a packed embedding; a dense one gets its own packed copy.
         self.embed = tensors["model.embed_tokens.weight"]
         head = self.embed if config.tie_word_embeddings else tensors["lm_head.weight"]
-        self.lm_head = _linear([head], pack, None)
+        # One scratch for every packed product of a large batch, the size of the largest
+        # layer weight; the head, larger, fills it a panel of rows at a time.
         self.scratch = DenseScratch()
+        self.lm_head = _linear([head], pack, self.scratch)
         self.layers = [_Layer(tensors, i, pack, self.scratch) for i in range(config.num_layers)]
         largest = max(
             (
@@ -178,6 +181,8 @@ class LlamaModel:
             ),
             default=0,
         )
+        if not largest and isinstance(self.lm_head, QuantLinear):  # dense layers, packed head
+            largest = min(self.lm_head.out_features, HEAD_PANEL_ROWS) * self.lm_head.in_features
         self.scratch.reserve(largest)
         if self.dtype != torch.float32 and any(
             isinstance(t, QuantizedWeight) for t in tensors.values()

@@ -139,7 +139,9 @@ class DenseScratch:
     """One reusable float32 buffer that large-batch products dequantize a weight into.
 
     Shared by every layer of one model: one engine loop drives the model, so one product
-    at a time uses it. It grows to the largest weight that asks and stays that size."""
+    at a time uses it. It grows to the largest weight that asks and stays that size, except
+    that a weight larger than what it holds once reserved (the LM head) is dequantized and
+    multiplied a panel of rows at a time (``panel_rows``)."""
 
     def __init__(self) -> None:
         self._buffer = torch.empty(0, dtype=torch.float32)
@@ -154,6 +156,12 @@ class DenseScratch:
             self._buffer = torch.empty(numel, dtype=torch.float32)
         return self._buffer[:numel].view(shape)
 
+    def panel_rows(self, out_features: int, in_features: int) -> int:
+        """Rows of an ``[out, in]`` weight that one dequantized panel holds: all of them when
+        the buffer holds them or is still empty (it then grows), else as many as fit."""
+        held = self._buffer.numel() // in_features
+        return out_features if held == 0 or held >= out_features else held
+
     @property
     def nbytes(self) -> int:
         return self._buffer.numel() * 4
@@ -167,8 +175,9 @@ class QuantLinear:
     8 rows. More rows dequantize the weight into ``scratch`` and run torch's GEMM
     (``dense_gemm``): past ~24 rows the GEMM's register blocking outruns the fused kernel
     by more than the dequantizing costs (``python -m bench.quant_products``, in
-    docs/benchmarks.md). Without a scratch (the LM head, whose dense copy would cost more
-    memory than the packed model) every batch runs the fused kernel.
+    docs/benchmarks.md). Without a scratch every batch runs the fused kernel. A weight
+    larger than the scratch holds (the LM head, whose dense copy would cost more memory than
+    the packed model) is dequantized and multiplied a panel of rows at a time.
 
     The fused kernel adds a row's terms in the same order whatever else is in the batch;
     torch's GEMM may not, so batches of more than ``DENSE_ROWS`` rows can differ from
@@ -194,9 +203,20 @@ class QuantLinear:
     def dense_gemm(self, x: torch.Tensor) -> torch.Tensor:
         if self.scratch is None:
             raise ValueError("this layer has no scratch to dequantize its weight into")
-        dense = self.scratch.take(self.weight.shape)
-        _EXTENSION.require().dequantize(dense, self.weight.data, int(self.weight.qtype), False)
-        return torch.nn.functional.linear(x, dense)
+        n, k = self.weight.shape
+        mod, qtype = _EXTENSION.require(), int(self.weight.qtype)
+        rows = self.scratch.panel_rows(n, k)
+        if rows == n:
+            dense = self.scratch.take((n, k))
+            mod.dequantize(dense, self.weight.data, qtype, False)
+            return torch.nn.functional.linear(x, dense)
+        out = x.new_empty((x.shape[0], n))
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            panel = self.scratch.take((r1 - r0, k))
+            mod.dequantize(panel, self.weight.data[r0:r1], qtype, False)
+            out[:, r0:r1] = torch.nn.functional.linear(x, panel)
+        return out
 
     def dense(self) -> torch.Tensor:
         return dequantize(self.weight)

@@ -100,6 +100,21 @@ def test_quant_linear_large_batches_use_the_dense_gemm_and_agree() -> None:
         headless.dense_gemm(big)
 
 
+def test_a_weight_larger_than_the_scratch_is_multiplied_panel_by_panel() -> None:
+    # The LM head shares the layers' scratch: 100 rows through a scratch of 32 rows take four
+    # panels (the last ragged), and the scratch does not grow.
+    w, ref = weight(Q.Q8_0, 100, 256, seed=6)
+    scratch = DenseScratch()
+    scratch.reserve(32 * 256)
+    assert scratch.panel_rows(100, 256) == 32
+    head = QuantLinear(w, scratch)
+    x = torch.randn(QuantLinear.DENSE_ROWS + 7, 256)
+    assert_product(head(x), x, ref)
+    assert_product(head.dense_gemm(x[:3]), x[:3], ref)
+    assert scratch.nbytes == 32 * 256 * 4
+    assert DenseScratch().panel_rows(100, 256) == 100  # an empty scratch grows instead
+
+
 def test_concat_stacks_rows() -> None:
     a, ra = weight(Q.Q8_0, 5, 64, seed=1)
     b, rb = weight(Q.Q8_0, 3, 64, seed=2)
