@@ -206,17 +206,13 @@ class QuantLinear:
         n, k = self.weight.shape
         mod, qtype = _EXTENSION.require(), int(self.weight.qtype)
         rows = self.scratch.panel_rows(n, k)
-        if rows == n:
-            dense = self.scratch.take((n, k))
-            mod.dequantize(dense, self.weight.data, qtype, False)
-            return torch.nn.functional.linear(x, dense)
-        out = x.new_empty((x.shape[0], n))
-        for r0 in range(0, n, rows):
-            r1 = min(n, r0 + rows)
-            panel = self.scratch.take((r1 - r0, k))
-            mod.dequantize(panel, self.weight.data[r0:r1], qtype, False)
-            out[:, r0:r1] = torch.nn.functional.linear(x, panel)
-        return out
+        parts = []
+        for r0 in range(0, n, rows):  # one panel unless the weight is larger than the scratch
+            packed = self.weight.data[r0 : r0 + rows]
+            panel = self.scratch.take((packed.shape[0], k))
+            mod.dequantize(panel, packed, qtype, False)
+            parts.append(torch.nn.functional.linear(x, panel))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def dense(self) -> torch.Tensor:
         return dequantize(self.weight)
