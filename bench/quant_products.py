@@ -1,14 +1,16 @@
-"""The packed-weight products of one decode step: the fused kernel against dequantize + GEMM.
+"""The packed-weight products of one decode step: the fused kernel, the tiled kernel, and
+dequantize + torch's GEMM.
 
-``kernels.quant_linear.QuantLinear`` runs a product of up to ``DENSE_ROWS`` rows in the
-fused kernel (each dequantized vector shared by 8 rows) and a larger one by dequantizing the
-weight into a scratch buffer and calling torch's GEMM (the LM head, larger than the scratch,
-a panel of rows at a time). This tool measures both ways at each batch size on the model's
-own weights: layer 0's packed matrices, stacked as the model stacks them (qkv, o, gate_up,
-down), times the number of layers, plus the LM head once: the products of a decode step.
-The two ways take turns repeat by repeat (the host's speed drifts within minutes); reported:
-each one's median ms per step, dense ÷ fused per repeat, and which one ``QuantLinear`` picks
-at that batch.
+``kernels.quant_linear.QuantLinear`` runs a product of up to ``FUSED_ROWS`` rows in the
+fused kernel (weights dequantized in registers, each byte read once) and a larger one in the
+tiled kernel (a few weight rows dequantized into an L1 tile, a register-blocked kernel over
+every input row). The third way is what the tiled kernel replaced: dequantize the whole
+weight into a buffer and call torch's GEMM. This tool measures the three at each batch size
+on the model's own weights: layer 0's packed matrices, stacked as the model stacks them
+(qkv, o, gate_up, down), times the number of layers, plus the LM head once: the products of
+a decode step. The ways take turns repeat by repeat (the host's speed drifts within
+minutes); reported: each one's median ms per step, the tiled kernel's time ÷ the others'
+per repeat, and which kernel ``QuantLinear`` picks at that batch.
 """
 
 from __future__ import annotations
@@ -17,25 +19,40 @@ import argparse
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
 from bench._common import machine_info, markdown_table, median, write_json
 
-WAYS = ("fused", "dense")
+WAYS = ("fused", "tiled", "gemm")
 
 
 @dataclass(frozen=True)
 class Figure:
     batch: int
     fused_ms: tuple[float, ...]  # one per repeat: the step's products, all layers
-    dense_ms: tuple[float, ...]
+    tiled_ms: tuple[float, ...]
+    gemm_ms: tuple[float, ...]  # dequantize the weight, then torch's GEMM
 
-    @property
-    def ratios(self) -> list[float]:
-        return [d / f for d, f in zip(self.dense_ms, self.fused_ms, strict=True)]
+    def ratios(self, other: str) -> list[float]:
+        """The tiled kernel's time ÷ ``other``'s ("fused" or "gemm"), repeat by repeat."""
+        theirs = getattr(self, f"{other}_ms")
+        return [t / o for t, o in zip(self.tiled_ms, theirs, strict=True)]
+
+
+def _ways() -> dict[str, Callable[[torch.Tensor, object], torch.Tensor]]:
+    from kernels.quant_linear import dequantize, qlinear
+
+    def gemm(x: torch.Tensor, w: object) -> torch.Tensor:
+        return torch.nn.functional.linear(x, dequantize(w))  # type: ignore[arg-type]
+
+    return {
+        "fused": lambda x, w: qlinear(x, w, kernel="fused"),  # type: ignore[arg-type]
+        "tiled": lambda x, w: qlinear(x, w, kernel="tiled"),  # type: ignore[arg-type]
+        "gemm": gemm,
+    }
 
 
 def run(
@@ -55,6 +72,7 @@ def run(
     counted = [(m, ckpt.config.num_layers) for m in linears]
     if isinstance(net.lm_head, QuantLinear):
         counted.append((net.lm_head, 1))
+    ways = _ways()
     gen = torch.Generator().manual_seed(seed)
     figures = []
     for batch in batches:
@@ -64,31 +82,34 @@ def run(
             for way in WAYS:
                 total = 0.0
                 for (m, count), x in zip(counted, xs, strict=True):
-                    product = m.fused if way == "fused" else m.dense_gemm
                     t0 = time.perf_counter()
-                    product(x)
+                    ways[way](x, m.weight)
                     total += count * (time.perf_counter() - t0)
                 times[way].append(1000.0 * total)
-        figures.append(Figure(batch, tuple(times["fused"][1:]), tuple(times["dense"][1:])))
+        figures.append(Figure(batch, *(tuple(times[w][1:]) for w in WAYS)))
     return figures
 
 
-def format_table(figures: Sequence[Figure], dense_rows: int) -> str:
-    rows = []
-    for f in figures:
-        r = f.ratios
-        rows.append(
-            [
-                str(f.batch),
-                f"{median(f.fused_ms):.1f}",
-                f"{median(f.dense_ms):.1f}",
-                f"{median(r):.2f}× ({min(r):.2f}–{max(r):.2f})",
-                "dense" if f.batch > dense_rows else "fused",
-            ]
-        )
+def _ratio_cell(r: list[float]) -> str:
+    return f"{median(r):.2f}× ({min(r):.2f}–{max(r):.2f})"
+
+
+def format_table(figures: Sequence[Figure], fused_rows: int) -> str:
+    rows = [
+        [
+            str(f.batch),
+            f"{median(f.fused_ms):.1f}",
+            f"{median(f.tiled_ms):.1f}",
+            f"{median(f.gemm_ms):.1f}",
+            _ratio_cell(f.ratios("fused")),
+            _ratio_cell(f.ratios("gemm")),
+            "fused" if f.batch <= fused_rows else "tiled",
+        ]
+        for f in figures
+    ]
     header = [
-        "batch", "fused ms/step", "dequantize + GEMM ms/step", "dense ÷ fused (median, range)",
-        "QuantLinear runs",
+        "batch", "fused ms/step", "tiled ms/step", "dequantize + GEMM ms/step",
+        "tiled ÷ fused (median, range)", "tiled ÷ GEMM", "QuantLinear runs",
     ]  # fmt: skip
     return markdown_table(header, rows)
 
@@ -97,13 +118,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(
         prog="python -m bench.quant_products",
-        description="A decode step's packed-weight products: fused kernel vs dequantize+GEMM.",
+        description="A decode step's packed-weight products: fused kernel, tiled kernel, "
+        "dequantize + GEMM.",
     )
     p.add_argument("--model", help="a quantized GGUF (default: the embedded SmolLM2-135M)")
     p.add_argument("--threads", type=int, default=1, help="(default: 1)")
     p.add_argument(
-        "--batches", type=int, nargs="+", default=[8, 16, 24, 32, 48, 64],
-        help="rows per product (default: 8 16 24 32 48 64)",
+        "--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64],
+        help="rows per product (default: 1 4 8 16 32 64)",
     )  # fmt: skip
     p.add_argument("--repeats", type=int, default=7, help="(default: 7)")
     p.add_argument("--seed", type=int, default=0)
@@ -111,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads < 1 or args.repeats < 1 or min(args.batches) < 1:
         p.error("--threads, --repeats and every --batches value must be >= 1")
-    from kernels.quant_linear import QuantLinear
+    from kernels.quant_linear import FUSED_ROWS
 
     figures = run(
         model=args.model, threads=args.threads, batches=args.batches, repeats=args.repeats,
@@ -122,14 +144,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"command: {command}")
     print(f"machine: {machine['cpu_model']}, {machine['cpu_count']} CPUs; {args.threads} thr")
     print()
-    print(format_table(figures, QuantLinear.DENSE_ROWS))
+    print(format_table(figures, FUSED_ROWS))
     if args.json:
         write_json(
             args.json,
             {
                 "command": command,
                 "machine": machine,
-                "dense_rows": QuantLinear.DENSE_ROWS,
+                "fused_rows": FUSED_ROWS,
                 "figures": [asdict(f) for f in figures],
             },
         )

@@ -27,10 +27,9 @@ from engine.rope import RotaryEmbedding
 from kernels import layer_ops
 from kernels.linear import PackedLinear
 from kernels.paged_attention import check_decode_ranges
-from kernels.quant_linear import DenseScratch, QuantizedWeight, QuantLinear, dequantize_rows
+from kernels.quant_linear import QuantizedWeight, QuantLinear, dequantize_rows
 
 Linear = PackedLinear | QuantLinear
-HEAD_PANEL_ROWS = 4096  # a packed head's panel when no layer weight sizes the scratch
 
 
 class _Stacked:
@@ -50,9 +49,7 @@ class _Stacked:
         return sum(part.nbytes for part in self.parts)
 
 
-def _linear(
-    parts: list[Weight], pack: bool | None, scratch: DenseScratch | None
-) -> Linear | _Stacked:
+def _linear(parts: list[Weight], pack: bool | None) -> Linear | _Stacked:
     """One product over the rows of ``parts`` stacked (q, k, v; gate, up)."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         dense = [p for p in parts if isinstance(p, torch.Tensor)]
@@ -60,25 +57,21 @@ def _linear(
     packed = [p for p in parts if isinstance(p, QuantizedWeight)]
     if len(packed) == len(parts) and len({(p.qtype, p.shape[1]) for p in packed}) == 1:
         weight = QuantizedWeight.concat(packed) if len(packed) > 1 else packed[0]
-        return QuantLinear(weight, scratch)
-    return _Stacked([_linear([p], pack, scratch) for p in parts])  # type: ignore[misc]
+        return QuantLinear(weight)
+    return _Stacked([_linear([p], pack) for p in parts])  # type: ignore[misc]
 
 
 class _Layer:
     __slots__ = ("attn_norm", "down", "gate_up", "mlp_norm", "o", "qkv")
 
-    def __init__(
-        self, t: dict[str, Weight], i: int, pack: bool | None, scratch: DenseScratch
-    ) -> None:
+    def __init__(self, t: dict[str, Weight], i: int, pack: bool | None) -> None:
         p = f"model.layers.{i}."
         self.attn_norm = _dense(t[p + "input_layernorm.weight"])
         self.mlp_norm = _dense(t[p + "post_attention_layernorm.weight"])
-        self.qkv = _linear([t[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], pack, scratch)
-        self.o = _linear([t[p + "self_attn.o_proj.weight"]], pack, scratch)
-        self.gate_up = _linear(
-            [t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]], pack, scratch
-        )
-        self.down = _linear([t[p + "mlp.down_proj.weight"]], pack, scratch)
+        self.qkv = _linear([t[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], pack)
+        self.o = _linear([t[p + "self_attn.o_proj.weight"]], pack)
+        self.gate_up = _linear([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]], pack)
+        self.down = _linear([t[p + "mlp.down_proj.weight"]], pack)
 
     def linears(self) -> list[Linear]:
         out: list[Linear] = []
@@ -133,7 +126,7 @@ def _dense(weight: Weight) -> torch.Tensor:
 class LlamaModel:
     """Inference-only Llama decoder. Not thread-safe: one engine loop drives it.
 
-    Everything it holds lives on ``device`` (weights, RoPE tables, scratch). ``forward``
+    Everything it holds lives on ``device`` (weights, RoPE tables). ``forward``
     takes a batch built on the host, checks its indices there, and uploads it once.
 
     ``cpu_kernels=False`` keeps to the torch reference: plain ``F.linear`` and the gathered
@@ -167,23 +160,8 @@ class LlamaModel:
         # table. Tied heads share a packed embedding; a dense one gets its own packed copy.
         self.embed = tensors["model.embed_tokens.weight"]
         head = self.embed if config.tie_word_embeddings else tensors["lm_head.weight"]
-        # One scratch for every packed product of a large batch, the size of the largest
-        # layer weight; the head, larger, fills it a panel of rows at a time.
-        self.scratch = DenseScratch()
-        self.lm_head = _linear([head], pack, self.scratch)
-        self.layers = [_Layer(tensors, i, pack, self.scratch) for i in range(config.num_layers)]
-        largest = max(
-            (
-                m.out_features * m.in_features
-                for layer in self.layers
-                for m in layer.linears()
-                if isinstance(m, QuantLinear)
-            ),
-            default=0,
-        )
-        if not largest and isinstance(self.lm_head, QuantLinear):  # dense layers, packed head
-            largest = min(self.lm_head.out_features, HEAD_PANEL_ROWS) * self.lm_head.in_features
-        self.scratch.reserve(largest)
+        self.lm_head = _linear([head], pack)
+        self.layers = [_Layer(tensors, i, pack) for i in range(config.num_layers)]
         if self.dtype != torch.float32 and any(
             isinstance(t, QuantizedWeight) for t in tensors.values()
         ):
@@ -297,13 +275,13 @@ class LlamaModel:
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights this model holds: packed blocks at their size, dense ones at
-        their dtype, and the scratch a large batch dequantizes one packed weight into."""
+        their dtype."""
         embed = self.embed
         embed_bytes = embed.nbytes if isinstance(embed, QuantizedWeight) else _tensor_bytes(embed)
         head_shared = self.config.tie_word_embeddings and isinstance(embed, QuantizedWeight)
         head_bytes = 0 if head_shared else self.lm_head.nbytes
         layers = sum(layer.nbytes for layer in self.layers)
-        return embed_bytes + head_bytes + layers + _tensor_bytes(self.norm) + self.scratch.nbytes
+        return embed_bytes + head_bytes + layers + _tensor_bytes(self.norm)
 
     def _attention(
         self,

@@ -1,9 +1,10 @@
 """Linear layers over GGUF-quantized weights kept as packed blocks, and their checking launchers.
 
 A ``QuantizedWeight`` is a checkpoint tensor's bytes as stored (llama.cpp's block layout),
-viewed as ``[out_features, row_bytes]``. ``qlinear`` runs ``csrc/quant_linear.cpp``: it
-dequantizes each block in registers and accumulates in float32, reading every weight byte
-once per call. ``dequantize`` gives the dense float32 weight, element for element equal to
+viewed as ``[out_features, row_bytes]``. ``qlinear`` runs ``csrc/quant_linear.cpp``, which
+dequantizes blocks as it goes and accumulates in float32, never making a dense copy: a fused
+kernel for a few rows (each weight byte read once per call), a tiled one for more.
+``dequantize`` gives the dense float32 weight, element for element equal to
 ``gguf.quants.dequantize`` (the same float32 operations in the same order), which is what
 makes a quantized worker compute with the same numbers as a float32 one.
 
@@ -99,10 +100,19 @@ class QuantizedWeight:
         return QuantizedWeight(first.qtype, (rows, first.shape[1]), data)
 
 
-def qlinear(x: torch.Tensor, w: QuantizedWeight, *, portable: bool = False) -> torch.Tensor:
+KERNELS = ("fused", "tiled", "portable")
+FUSED_ROWS = 4  # products of up to this many rows run the fused kernel, larger the tiled
+
+
+def qlinear(x: torch.Tensor, w: QuantizedWeight, *, kernel: str = "auto") -> torch.Tensor:
     """``x @ W^T`` for ``x`` float32 ``[M, in_features]``: ``[M, out_features]`` float32.
 
-    ``portable`` runs the plain C++ path even where the AVX2 one exists (tests use it)."""
+    ``kernel``: ``"fused"`` dequantizes in registers and reads each weight byte once (the
+    fastest for a few rows), ``"tiled"`` dequantizes a few rows of W at a time into a tile
+    and runs a register-blocked kernel over every input row (the fastest past
+    ``FUSED_ROWS``: ``python -m bench.quant_products``), ``"portable"`` the plain C++ path
+    (what every kernel is on a CPU without AVX2; tests use it), ``"auto"`` picks by size.
+    Within one kernel a row's output does not depend on the batch's other rows."""
     out_f, in_f = w.shape
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != in_f:
         raise ValueError(
@@ -110,9 +120,14 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, *, portable: bool = False) -> t
         )
     if x.device.type != "cpu":
         raise ValueError("quantized linear runs on CPU tensors")
+    if kernel == "auto":
+        kernel = "fused" if x.shape[0] <= FUSED_ROWS else "tiled"
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel is one of {KERNELS} or 'auto', got {kernel!r}")
     out = x.new_empty((x.shape[0], out_f))
     if x.shape[0]:
-        _EXTENSION.require().qlinear(out, x.contiguous(), w.data, int(w.qtype), portable)
+        mod = _EXTENSION.require()
+        mod.qlinear(out, x.contiguous(), w.data, int(w.qtype), KERNELS.index(kernel))
     return out
 
 
@@ -135,84 +150,19 @@ def dequantize_rows(w: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor:
     return out.reshape(*rows.shape, w.shape[1])
 
 
-class DenseScratch:
-    """One reusable float32 buffer that large-batch products dequantize a weight into.
-
-    Shared by every layer of one model: one engine loop drives the model, so one product
-    at a time uses it. It grows to the largest weight that asks and stays that size, except
-    that a weight larger than what it holds once reserved (the LM head) is dequantized and
-    multiplied a panel of rows at a time (``panel_rows``)."""
-
-    def __init__(self) -> None:
-        self._buffer = torch.empty(0, dtype=torch.float32)
-
-    def reserve(self, numel: int) -> None:
-        """Allocate now (at load time, so the worker's memory is known before it serves)."""
-        self.take((numel, 1))
-
-    def take(self, shape: tuple[int, int]) -> torch.Tensor:
-        numel = shape[0] * shape[1]
-        if self._buffer.numel() < numel:
-            self._buffer = torch.empty(numel, dtype=torch.float32)
-        return self._buffer[:numel].view(shape)
-
-    def panel_rows(self, out_features: int, in_features: int) -> int:
-        """Rows of an ``[out, in]`` weight that one dequantized panel holds: all of them when
-        the buffer holds them or is still empty (it then grows), else as many as fit."""
-        held = self._buffer.numel() // in_features
-        return out_features if held == 0 or held >= out_features else held
-
-    @property
-    def nbytes(self) -> int:
-        return self._buffer.numel() * 4
-
-
 class QuantLinear:
-    """``y = x @ W^T`` over packed blocks, ``x`` float32 ``[M, in]``.
+    """``y = x @ W^T`` over packed blocks, ``x`` float32 ``[M, in]`` (the interface of
+    ``kernels.linear.PackedLinear``): ``qlinear`` with the kernel picked by size. Neither
+    kernel makes a dense copy of the weight, so a quantized model holds only its blocks."""
 
-    Up to ``DENSE_ROWS`` rows (decode batches, short prompts) run the fused kernel
-    (``fused``), which reads the packed weight once and shares each dequantized vector over
-    8 rows. More rows dequantize the weight into ``scratch`` and run torch's GEMM
-    (``dense_gemm``): past ~24 rows the GEMM's register blocking outruns the fused kernel
-    by more than the dequantizing costs (``python -m bench.quant_products``, in
-    docs/benchmarks.md). Without a scratch every batch runs the fused kernel. A weight
-    larger than the scratch holds (the LM head, whose dense copy would cost more memory than
-    the packed model) is dequantized and multiplied a panel of rows at a time.
+    __slots__ = ("in_features", "out_features", "weight")
 
-    The fused kernel adds a row's terms in the same order whatever else is in the batch;
-    torch's GEMM may not, so batches of more than ``DENSE_ROWS`` rows can differ from
-    smaller ones in the last bits."""
-
-    DENSE_ROWS = 24
-
-    __slots__ = ("in_features", "out_features", "scratch", "weight")
-
-    def __init__(self, weight: QuantizedWeight, scratch: DenseScratch | None = None) -> None:
+    def __init__(self, weight: QuantizedWeight) -> None:
         self.weight = weight
         self.out_features, self.in_features = weight.shape
-        self.scratch = scratch
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scratch is not None and x.dim() == 2 and x.shape[0] > self.DENSE_ROWS:
-            return self.dense_gemm(x)
-        return self.fused(x)
-
-    def fused(self, x: torch.Tensor) -> torch.Tensor:
         return qlinear(x, self.weight)
-
-    def dense_gemm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scratch is None:
-            raise ValueError("this layer has no scratch to dequantize its weight into")
-        n, k = self.weight.shape
-        mod, qtype = _EXTENSION.require(), int(self.weight.qtype)
-        rows = self.scratch.panel_rows(n, k)
-        parts = []
-        for r0 in range(0, n, rows):  # one panel unless the weight is larger than the scratch
-            packed = self.weight.data[r0 : r0 + rows]
-            panel = self.scratch.take((packed.shape[0], k))
-            mod.dequantize(panel, packed, qtype, False)
-            parts.append(torch.nn.functional.linear(x, panel))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def dense(self) -> torch.Tensor:
         return dequantize(self.weight)

@@ -9,13 +9,21 @@
 // operations in the same order as gguf-py's numpy reference, so a dequantized element is
 // bit-identical to the float32 checkpoint's.
 //
-// A product takes each chunk's scale (and min) out of its sum where the type has one per
-// 32 elements (Q8_0, Q4_0, Q4_1, Q4_K): sum(x w) = d sum(x q) + m sum(x).
+// Two kernels (the launcher picks by the number of input rows, QuantLinear.FUSED_ROWS):
 //
-// Work is split over output columns (rows of W): each weight byte is read once per call,
-// whatever M is. Up to MR input rows share each dequantized vector (rows of x stay in
-// cache), so batches of 2..24 (QuantLinear.DENSE_ROWS) pay for dequantization once per MR (8)
-// rows, not per row.
+// fused (few rows: decode at small batch). Work is split over output columns (rows of W):
+// each weight byte is read once per call. A chunk of W is dequantized in registers and
+// shared by up to MR input rows. It takes each chunk's scale (and min) out of its sum where
+// the type has one per 32 elements (Q8_0, Q4_0, Q4_1, Q4_K): sum(x w) = d sum(x q) + m sum(x).
+//
+// tiled (more rows: decode batches, prompts). A few rows of W are dequantized into a small
+// float32 tile in L1, and a register-blocked kernel runs every input row against it: each
+// weight element is dequantized once per panel of TM input rows, each tile value loaded
+// once per TX rows. This is what replaced dequantizing the whole weight and calling torch's
+// GEMM: no dense copy, and faster than that GEMM at these shapes (docs/benchmarks.md).
+//
+// Both add a product's terms in an order fixed by K alone, so a row's output does not
+// depend on the other rows of the batch or on the thread count (within one kernel).
 //
 // Shapes and dtypes are checked by the Python launcher (kernels/quant_linear.py):
 //   x   [M, K]                 float32, contiguous
@@ -413,13 +421,73 @@ void qlinear_avx2(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, con
 }
 
 template <int64_t t>
+inline void dequantize_row_avx2(const uint8_t* row, int64_t K, float* out) {
+  __m256 v[4];
+  for (int64_t c = 0; c < K / 32; ++c) {
+    chunk_avx2<t>(row, c, v);
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 32 * c + 8 * i, v[i]);
+  }
+}
+
+template <int64_t t>
 void dequantize_avx2(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, float* out) {
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      __m256 v[4];
-      for (int64_t c = 0; c < K / 32; ++c) {
-        chunk_avx2<t>(w + n * row_bytes, c, v);
-        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + n * K + 32 * c + 8 * i, v[i]);
+    for (int64_t n = begin; n < end; ++n) dequantize_row_avx2<t>(w + n * row_bytes, K, out + n * K);
+  });
+}
+
+// ---- tiled path: larger batches -------------------------------------------------------
+// TW rows of W are dequantized into a float32 tile (in L1: TW * K * 4 bytes) and every
+// input row of the panel runs against it, TX rows at a time: TX x TW accumulators of 8
+// lanes, one pass over K. Per 8 columns of k: TX loads of x, TW of the tile, TX * TW FMAs.
+// A product (m, n) is the sum over its 8 lanes of a running FMA over k, the same
+// operations whatever the batch holds or how many threads run it.
+constexpr int64_t TW = 4;   // weight rows per tile
+constexpr int64_t TX = 3;   // input rows in registers
+constexpr int64_t TM = 64;  // input rows per panel: the panel of x stays in L2
+
+template <int R>
+inline void tile_dot(const float* tile, int64_t K, const float* x, int64_t ldx,
+                     float res[TX][TW]) {
+  __m256 acc[R][TW];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < TW; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + r * ldx + k);
+    for (int j = 0; j < TW; ++j) {
+      const __m256 wv = _mm256_loadu_ps(tile + j * K + k);
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(wv, xv[r], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < TW; ++j) res[r][j] = hsum(acc[r][j]);
+}
+
+template <int64_t t>
+void qlinear_tiled_avx2(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K,
+                        const float* x, int64_t M, float* out) {
+  const int64_t tiles = (N + TW - 1) / TW;
+  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> tile(TW * K, 0.f);  // rows past N stay zero
+    float res[TX][TW];
+    for (int64_t m0 = 0; m0 < M; m0 += TM) {
+      const int64_t m1 = std::min(M, m0 + TM);
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t n0 = b * TW, nw = std::min(TW, N - n0);
+        for (int64_t j = 0; j < nw; ++j)
+          dequantize_row_avx2<t>(w + (n0 + j) * row_bytes, K, tile.data() + j * K);
+        for (int64_t m = m0; m < m1; m += TX) {
+          const int64_t rows = std::min(TX, m1 - m);
+          const float* xm = x + m * K;
+          switch (rows) {
+            case 3: tile_dot<3>(tile.data(), K, xm, K, res); break;
+            case 2: tile_dot<2>(tile.data(), K, xm, K, res); break;
+            default: tile_dot<1>(tile.data(), K, xm, K, res); break;
+          }
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < nw; ++j) out[(m + r) * N + n0 + j] = res[r][j];
+        }
       }
     }
   });
@@ -441,22 +509,28 @@ void dispatch(int64_t t, F&& f) {
 
 }  // namespace
 
-void qlinear(torch::Tensor out, torch::Tensor x, torch::Tensor w, int64_t qtype, bool portable) {
+// kernel: 0 the fused kernel, 1 the tiled one, 2 the portable path (which every kernel is
+// on a build without AVX2).
+void qlinear(torch::Tensor out, torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t kernel) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const Layout l = layout_of(qtype);
   TORCH_CHECK(l.elems > 0, "quantization type ", qtype, " has no kernel");
   TORCH_CHECK(K % l.elems == 0 && w.size(1) == K / l.elems * l.bytes, "qlinear: bad shapes");
+  TORCH_CHECK(0 <= kernel && kernel <= 2, "qlinear: kernel is 0, 1 or 2, got ", kernel);
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = w.size(1);
 #ifdef PDSERVE_AVX2
-  if (!portable) {
+  if (kernel == 0) {
     dispatch(qtype, [&](auto t) { qlinear_avx2<decltype(t)::value>(wp, row_bytes, N, K, xp, M, op); });
     return;
   }
+  if (kernel == 1) {
+    dispatch(qtype, [&](auto t) { qlinear_tiled_avx2<decltype(t)::value>(wp, row_bytes, N, K, xp, M, op); });
+    return;
+  }
 #endif
-  (void)portable;
   // One work item is one output column; a thread takes a contiguous run of them.
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)

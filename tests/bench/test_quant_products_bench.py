@@ -1,4 +1,4 @@
-"""bench.quant_products: both ways of a packed product measured on a real (tiny) quantized
+"""bench.quant_products: the three ways of a packed product measured on a real (tiny) quantized
 GGUF, the table's ratios taken repeat by repeat, dense checkpoints and bad flags refused."""
 
 from __future__ import annotations
@@ -17,11 +17,14 @@ from tests.engine.tiny_models import write_tiny_gguf
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_table_takes_ratios_repeat_by_repeat_and_names_the_way_taken() -> None:
-    figures = [Figure(8, (10.0, 20.0, 12.0), (20.0, 30.0, 24.0)), Figure(32, (40.0,), (30.0,))]
-    table = format_table(figures, dense_rows=24)
-    assert "| 8 | 12.0 | 24.0 | 2.00× (1.50–2.00) | fused |" in table
-    assert "| 32 | 40.0 | 30.0 | 0.75× (0.75–0.75) | dense |" in table
+def test_table_takes_ratios_repeat_by_repeat_and_names_the_kernel_taken() -> None:
+    figures = [
+        Figure(4, (10.0, 20.0, 12.0), (20.0, 30.0, 24.0), (40.0, 60.0, 48.0)),
+        Figure(32, (40.0,), (30.0,), (60.0,)),
+    ]
+    table = format_table(figures, fused_rows=4)
+    assert "| 4 | 12.0 | 24.0 | 48.0 | 2.00× (1.50–2.00) | 0.50× (0.50–0.50) | fused |" in table
+    assert "| 32 | 40.0 | 30.0 | 60.0 | 0.75× (0.75–0.75) | 0.50× (0.50–0.50) | tiled |" in table
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -29,19 +32,19 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
 
 
-def test_small_run_measures_both_ways(tmp_path: Path) -> None:
+def test_small_run_measures_every_way(tmp_path: Path) -> None:
     model = tmp_path / "tiny.gguf"
     write_tiny_gguf(model, tensor_type=gguf.GGMLQuantizationType.Q4_1, hidden=128, intermediate=256)
     out = tmp_path / "products.json"
     proc = _run("--model", str(model), "--batches", "2", "30", "--repeats", "2", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
-    assert "| 2 |" in proc.stdout and "| fused |" in proc.stdout and "| dense |" in proc.stdout
+    assert "| 2 |" in proc.stdout and "| fused |" in proc.stdout and "| tiled |" in proc.stdout
     payload = json.loads(out.read_text())
-    assert payload["dense_rows"] == 24
+    assert payload["fused_rows"] == 4
     assert [f["batch"] for f in payload["figures"]] == [2, 30]
     for f in payload["figures"]:
-        assert len(f["fused_ms"]) == len(f["dense_ms"]) == 2
-        assert min(f["fused_ms"] + f["dense_ms"]) > 0
+        assert len(f["fused_ms"]) == len(f["tiled_ms"]) == len(f["gemm_ms"]) == 2
+        assert min(f["fused_ms"] + f["tiled_ms"] + f["gemm_ms"]) > 0
 
 
 def test_a_checkpoint_without_packed_weights_is_refused(tmp_path: Path) -> None:

@@ -16,8 +16,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from kernels.quant_linear import (
+    FUSED_ROWS,
     KERNEL_TYPES,
-    DenseScratch,
     QuantizedWeight,
     QuantLinear,
     dequantize,
@@ -61,58 +61,48 @@ def test_dequantize_is_bit_identical_to_gguf(qtype: Q, portable: bool) -> None:
         assert torch.equal(dequantize(w, portable=portable), ref)
 
 
-@pytest.mark.parametrize("portable", [False, True], ids=["avx2", "portable"])
+@pytest.mark.parametrize("kernel", ["fused", "tiled", "portable"])
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
-def test_qlinear_matches_dequantize_then_matmul(qtype: Q, portable: bool) -> None:
+def test_qlinear_matches_dequantize_then_matmul(qtype: Q, kernel: str) -> None:
     g = torch.Generator().manual_seed(int(qtype))
     for i, cols in enumerate(widths(qtype)):
         rows = (7, 33, 130)[i]  # ragged: not a multiple of any tile
         w, ref = weight(qtype, rows, cols, seed=10 + i)
-        for m in (1, 2, 3, 7, 8, 9, 17, 64):
+        # 1..64 rows; 131: the tiled kernel's panels of 64 rows, the last one ragged
+        for m in (1, 2, 3, 4, 5, 7, 8, 9, 17, 64, 131):
             x = torch.randn(m, cols, generator=g)
-            assert_product(qlinear(x, w, portable=portable), x, ref)
+            assert_product(qlinear(x, w, kernel=kernel), x, ref)
 
 
-def test_batch_rows_do_not_depend_on_each_other() -> None:
+@pytest.mark.parametrize("kernel", ["fused", "tiled"])
+def test_batch_rows_do_not_depend_on_each_other(kernel: str) -> None:
     # A row's output must not change with what else is in the batch (batch invariance is
-    # what keeps a sequence's tokens independent of its neighbours).
+    # what keeps a sequence's tokens independent of its neighbours), nor with the threads.
     w, _ = weight(Q.Q4_1, 50, 576, seed=3)
-    x = torch.randn(13, 576)
-    alone = torch.cat([qlinear(x[i : i + 1], w) for i in range(13)])
-    assert torch.equal(qlinear(x, w), alone)
+    x = torch.randn(70, 576)
+    batch = qlinear(x, w, kernel=kernel)
+    alone = torch.cat([qlinear(x[i : i + 1], w, kernel=kernel) for i in range(70)])
+    assert torch.equal(batch, alone)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        assert torch.equal(qlinear(x, w, kernel=kernel), batch)
+    finally:
+        torch.set_num_threads(threads)
 
 
-def test_quant_linear_large_batches_use_the_dense_gemm_and_agree() -> None:
+def test_quant_linear_picks_the_kernel_by_rows() -> None:
     w, ref = weight(Q.Q4_K, 96, 512, seed=5)
-    scratch = DenseScratch()
-    layer = QuantLinear(w, scratch)
-    small = torch.randn(QuantLinear.DENSE_ROWS, 512)
-    big = torch.randn(QuantLinear.DENSE_ROWS + 1, 512)
-    assert scratch.nbytes == 0
-    assert_product(layer(small), small, ref)
-    assert scratch.nbytes == 0  # the fused kernel: no dense copy
-    assert_product(layer(big), big, ref)
-    assert scratch.nbytes == 96 * 512 * 4
+    layer = QuantLinear(w)
+    for m in (1, FUSED_ROWS, FUSED_ROWS + 1, 40):
+        x = torch.randn(m, 512)
+        want = qlinear(x, w, kernel="fused" if m <= FUSED_ROWS else "tiled")
+        assert torch.equal(layer(x), want)
+        assert_product(layer(x), x, ref)
     assert torch.equal(layer.dense(), ref)
-    headless = QuantLinear(w)  # no scratch: the fused kernel at any size
-    assert_product(headless(big), big, ref)
-    with pytest.raises(ValueError, match="no scratch"):
-        headless.dense_gemm(big)
-
-
-def test_a_weight_larger_than_the_scratch_is_multiplied_panel_by_panel() -> None:
-    # The LM head shares the layers' scratch: 100 rows through a scratch of 32 rows take four
-    # panels (the last ragged), and the scratch does not grow.
-    w, ref = weight(Q.Q8_0, 100, 256, seed=6)
-    scratch = DenseScratch()
-    scratch.reserve(32 * 256)
-    assert scratch.panel_rows(100, 256) == 32
-    head = QuantLinear(w, scratch)
-    x = torch.randn(QuantLinear.DENSE_ROWS + 7, 256)
-    assert_product(head(x), x, ref)
-    assert_product(head.dense_gemm(x[:3]), x[:3], ref)
-    assert scratch.nbytes == 32 * 256 * 4
-    assert DenseScratch().panel_rows(100, 256) == 100  # an empty scratch grows instead
+    assert layer.nbytes == w.data.numel()  # the packed blocks only: no dense copy
+    with pytest.raises(ValueError, match="kernel is one of"):
+        qlinear(torch.randn(2, 512), w, kernel="dense")
 
 
 def test_concat_stacks_rows() -> None:
