@@ -446,9 +446,16 @@ constexpr int64_t TW = 4;   // weight rows per tile
 constexpr int64_t TX = 3;   // input rows in registers
 constexpr int64_t TM = 64;  // input rows per panel: the panel of x stays in L2
 
+// The 4 horizontal sums of a0..a3 (lane j = sum of aj).
+inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
 template <int R>
 inline void tile_dot(const float* tile, int64_t K, const float* x, int64_t ldx,
                      float res[TX][TW]) {
+  static_assert(TW == 4, "a row's TW sums are one hsum4");
   __m256 acc[R][TW];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < TW; ++j) acc[r][j] = _mm256_setzero_ps();
@@ -460,8 +467,7 @@ inline void tile_dot(const float* tile, int64_t K, const float* x, int64_t ldx,
       for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(wv, xv[r], acc[r][j]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < TW; ++j) res[r][j] = hsum(acc[r][j]);
+  for (int r = 0; r < R; ++r) _mm_storeu_ps(res[r], hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
 }
 
 template <int64_t t>

@@ -43,8 +43,9 @@ def test_kernel_compiles_here() -> None:
         (3, 8, 8, 32, 8, [5, 64, 9]),  # no GQA
         (2, 8, 1, 16, 4, [3, 40]),  # MQA, small blocks
         (5, 4, 2, 12, 16, [7, 1, 33, 16, 2]),  # head dim not a multiple of 8: scalar path
-        (3, 6, 2, 24, 16, [8, 40, 17]),  # 3 vectors a row: the generic vector path
+        (3, 6, 2, 24, 16, [8, 40, 17]),  # 3 vectors a row
         (2, 4, 2, 128, 16, [9, 70]),  # rows wider than the register tile
+        (2, 8, 2, 40, 16, [5, 33]),  # 4 query heads a kv head, 5 vectors a row
     ],
 )
 def test_kernel_matches_reference(b, heads, kv_heads, dim, block, lens) -> None:
@@ -62,7 +63,7 @@ def test_kernel_matches_reference(b, heads, kv_heads, dim, block, lens) -> None:
     [
         (4, 9, 3, 64, 16, [1, 16, 17, 300]),  # SmolLM2's heads: the F16C vector paths
         (5, 4, 2, 12, 16, [7, 1, 33, 16, 2]),  # scalar path
-        (2, 4, 2, 128, 16, [9, 70]),  # generic vector path
+        (2, 4, 2, 128, 16, [9, 70]),  # rows wider than the register tile
     ],
 )
 def test_float16_pool_matches_reference_on_the_widened_values(
