@@ -5,12 +5,12 @@ dequantize + torch's GEMM.
 fused kernel (weights dequantized in registers, each byte read once) and a larger one in the
 tiled kernel (a few weight rows dequantized into an L1 tile, a register-blocked kernel over
 every input row). The third way is what the tiled kernel replaced: dequantize the whole
-weight into a buffer and call torch's GEMM. This tool measures the three at each batch size
-on the model's own weights: layer 0's packed matrices, stacked as the model stacks them
-(qkv, o, gate_up, down), times the number of layers, plus the LM head once: the products of
-a decode step. The ways take turns repeat by repeat (the host's speed drifts within
-minutes); reported: each one's median ms per step, the tiled kernel's time ÷ the others'
-per repeat, and which kernel ``QuantLinear`` picks at that batch.
+weight into a buffer (allocated once per weight) and call torch's GEMM. This tool measures
+the three at each batch size on the model's own weights: layer 0's packed matrices, stacked
+as the model stacks them (qkv, o, gate_up, down), times the number of layers, plus the LM
+head once: the products of a decode step. The ways take turns repeat by repeat (the host's
+speed drifts within minutes); reported: each one's median ms per step, the tiled kernel's
+time ÷ the others' per repeat, and which kernel ``QuantLinear`` picks at that batch.
 """
 
 from __future__ import annotations
@@ -45,8 +45,11 @@ class Figure:
 def _ways() -> dict[str, Callable[[torch.Tensor, object], torch.Tensor]]:
     from kernels.quant_linear import dequantize, qlinear
 
+    dense: dict[int, torch.Tensor] = {}  # a buffer per weight, allocated once (as a scratch was)
+
     def gemm(x: torch.Tensor, w: object) -> torch.Tensor:
-        return torch.nn.functional.linear(x, dequantize(w))  # type: ignore[arg-type]
+        buf = dense.setdefault(id(w), torch.empty(w.shape))  # type: ignore[attr-defined]
+        return torch.nn.functional.linear(x, dequantize(w, out=buf))  # type: ignore[arg-type]
 
     return {
         "fused": lambda x, w: qlinear(x, w, kernel="fused"),  # type: ignore[arg-type]

@@ -131,9 +131,14 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, *, kernel: str = "auto") -> tor
     return out
 
 
-def dequantize(w: QuantizedWeight, *, portable: bool = False) -> torch.Tensor:
-    """The dense float32 ``[out_features, in_features]`` weight."""
-    out = torch.empty(w.shape, dtype=torch.float32)
+def dequantize(
+    w: QuantizedWeight, *, portable: bool = False, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The dense float32 ``[out_features, in_features]`` weight (into ``out`` if given)."""
+    if out is None:
+        out = torch.empty(w.shape, dtype=torch.float32)
+    elif out.dtype != torch.float32 or tuple(out.shape) != w.shape or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 {w.shape} tensor")
     _EXTENSION.require().dequantize(out, w.data, int(w.qtype), portable)
     return out
 

@@ -100,6 +100,10 @@ def test_quant_linear_picks_the_kernel_by_rows() -> None:
         assert torch.equal(layer(x), want)
         assert_product(layer(x), x, ref)
     assert torch.equal(layer.dense(), ref)
+    buf = torch.empty(96, 512)
+    assert dequantize(w, out=buf) is buf and torch.equal(buf, ref)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        dequantize(w, out=torch.empty(512, 96))
     assert layer.nbytes == w.data.numel()  # the packed blocks only: no dense copy
     with pytest.raises(ValueError, match="kernel is one of"):
         qlinear(torch.randn(2, 512), w, kernel="dense")
