@@ -48,7 +48,9 @@ def _ways() -> dict[str, Callable[[torch.Tensor, object], torch.Tensor]]:
     dense: dict[int, torch.Tensor] = {}  # a buffer per weight, allocated once (as a scratch was)
 
     def gemm(x: torch.Tensor, w: object) -> torch.Tensor:
-        buf = dense.setdefault(id(w), torch.empty(w.shape))  # type: ignore[attr-defined]
+        buf = dense.get(id(w))
+        if buf is None:  # not setdefault: that would allocate on every call
+            buf = dense[id(w)] = torch.empty(w.shape)  # type: ignore[attr-defined]
         return torch.nn.functional.linear(x, dequantize(w, out=buf))  # type: ignore[arg-type]
 
     return {
