@@ -350,7 +350,36 @@ def check_targets(rows: Sequence[dict[str, Any]]) -> list[Check]:
         r = dis["ttft_p99"] / col["ttft_p99"]
         out.append(Check("disaggregated P99 TTFT ÷ colocated P99 TTFT", f"{r:.2f}", "≤ 1.0",
                          r <= 1.0))  # fmt: skip
+    peer = by.get(PEER)
+    if dis and peer and dis["itl_p50"] and peer["itl_p50"]:
+        r = dis["itl_p50"] / peer["itl_p50"]
+        out.append(Check("disaggregated ITL P50 ÷ llama.cpp ITL P50", f"{r:.2f}", "≤ 1.0",
+                         r <= 1.0))  # fmt: skip
     return out
+
+
+def late_long_prompts(run: ModeRun) -> int:
+    """How many long prompts were sent after every stream had ended: they interfered with
+    nothing. Nonzero means the streams outran the schedule (a host faster than the one the
+    defaults were set on), so the ITL figures hold fewer long prompts than asked."""
+    records = [r for r in run.result.records if r.ok]
+    last_stream = max((r.end_s for r in records if r.tag == "stream"), default=0.0)
+    return sum(1 for r in records if r.tag == "long" and r.send_s >= last_stream)
+
+
+def format_late_notes(runs: Sequence[ModeRun]) -> str:
+    """A note per mode whose streams ended before some long prompts were sent."""
+    notes = []
+    for run in runs:
+        late = late_long_prompts(run)
+        if late:
+            longs = sum(1 for r in run.result.records if r.tag == "long")
+            notes.append(
+                f"  NOTE  {run.mode.name}: {late} of {longs} long prompts came after every "
+                "stream had ended and interfered with nothing; lower --long-every-s or raise "
+                "--stream-output-tokens so they fall inside the streams"
+            )
+    return "\n".join(notes)
 
 
 def format_checks(checks: Sequence[Check]) -> str:
@@ -436,6 +465,9 @@ def report(
     out(format_phase_table(phase_rows(runs)))
     out("")
     out(format_checks(checks))
+    notes = format_late_notes(runs)
+    if notes:
+        out(notes)
     if plot_dir:
         plot_dir.mkdir(parents=True, exist_ok=True)
         results = {r.mode.name: r.result for r in runs}

@@ -67,6 +67,36 @@ def test_rows_and_checks_from_known_runs() -> None:
     assert "MISS" in interference.format_checks(list(checks.values()))
 
 
+def test_the_peer_check_compares_the_disaggregated_median_with_llama_cpps() -> None:
+    disaggregated = _run("disaggregated", [0.06] * 100, long_ttft=2.0)
+    peer = _run(interference.PEER, [0.05] * 99 + [5.0], long_ttft=6.0)
+    runs = [disaggregated, peer]
+    interference.summarize_runs(runs, Slo(ttft_ms=1800.0, itl_ms=200.0))
+    checks = {c.name: c for c in interference.check_targets(interference.table_rows(runs))}
+    median = checks["disaggregated ITL P50 ÷ llama.cpp ITL P50"]
+    assert median.measured == "1.20" and not median.passed  # 60 ms against 50 ms
+    # Without the peer there is nothing to compare with.
+    alone = interference.check_targets(interference.table_rows([disaggregated]))
+    assert all("llama.cpp" not in c.name for c in alone)
+
+
+def test_long_prompts_sent_after_the_streams_ended_are_reported() -> None:
+    # The streams end at 0.1 + 100 * 0.05 = 5.1 s; long prompts at 1 s and at 6 s.
+    records = (
+        _stream(0, 0.1, [0.05] * 100), _stream(1, 0.1, [0.05] * 100),
+        _long(2, 1.0, 1.0), _long(3, 6.0, 1.0),
+    )  # fmt: skip
+    run = interference.ModeRun(
+        interference.Mode("colocated"), BenchResult(records=records, duration_s=8.0)
+    )
+    assert interference.late_long_prompts(run) == 1
+    note = interference.format_late_notes([run])
+    assert "colocated: 1 of 2 long prompts came after every stream had ended" in note
+    on_time = _run("disaggregated", [0.06] * 100, long_ttft=2.0)
+    assert interference.late_long_prompts(on_time) == 0
+    assert interference.format_late_notes([on_time]) == ""
+
+
 def test_every_mode_parses_with_pdserve_up_flags() -> None:
     args = interference.build_parser().parse_args(["--peer"])
     modes = interference.modes_for(args)
