@@ -61,6 +61,7 @@ class Mode:
 
 def modes_for(args: argparse.Namespace) -> list[Mode]:
     threads = str(args.threads)
+    n_threads = f"{threads} thread{'' if args.threads == 1 else 's'}"
     common = ("--kv-cache-mib", str(args.kv_cache_mib), "--max-num-seqs", "64",
               "--kv-cache-dtype", args.kv_cache_dtype)  # fmt: skip
     # a colocated worker's threads float over the machine's cores (--no-pin)
@@ -77,12 +78,12 @@ def modes_for(args: argparse.Namespace) -> list[Mode]:
         "colocated": Mode(
             "colocated",
             colocated,
-            describe=f"one colocated worker, {threads} threads, no chunking",
+            describe=f"one colocated worker, {n_threads}, no chunking",
         ),
         "colocated-chunked": Mode(
             "colocated-chunked",
             (*colocated, *chunked),
-            describe=f"one colocated worker, {threads} threads, chunks of {args.chunk} tokens",
+            describe=f"one colocated worker, {n_threads}, chunks of {args.chunk} tokens",
         ),
         "disaggregated": Mode(
             "disaggregated",
@@ -99,7 +100,7 @@ def modes_for(args: argparse.Namespace) -> list[Mode]:
         PEER: Mode(
             PEER,
             peer=True,
-            describe=f"llama-server, {threads} threads, {args.streams + 1} parallel slots",
+            describe=f"llama-server, {n_threads}, {args.streams + 1} parallel slots",
         ),
     }
     names = list(args.modes) + ([PEER] if args.peer and PEER not in args.modes else [])
