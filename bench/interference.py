@@ -359,22 +359,23 @@ def check_targets(rows: Sequence[dict[str, Any]]) -> list[Check]:
     return out
 
 
-def late_long_prompts(run: ModeRun) -> int:
-    """How many long prompts were sent after every stream had ended: they interfered with
-    nothing. Nonzero means the streams outran the schedule (a host faster than the one the
-    defaults were set on), so the ITL figures hold fewer long prompts than asked."""
+def late_long_prompts(run: ModeRun) -> tuple[int, int]:
+    """How many of the run's long prompts were sent after every stream had ended (they
+    interfered with nothing), and how many it sent. A nonzero first count means the streams
+    outran the schedule (a host faster than the one the defaults were set on), so the ITL
+    figures hold fewer long prompts than asked."""
     records = [r for r in run.result.records if r.ok]
     last_stream = max((r.end_s for r in records if r.tag == "stream"), default=0.0)
-    return sum(1 for r in records if r.tag == "long" and r.send_s >= last_stream)
+    longs = [r for r in records if r.tag == "long"]
+    return sum(1 for r in longs if r.send_s >= last_stream), len(longs)
 
 
 def format_late_notes(runs: Sequence[ModeRun]) -> str:
     """A note per mode whose streams ended before some long prompts were sent."""
     notes = []
     for run in runs:
-        late = late_long_prompts(run)
+        late, longs = late_long_prompts(run)
         if late:
-            longs = sum(1 for r in run.result.records if r.tag == "long")
             notes.append(
                 f"  NOTE  {run.mode.name}: {late} of {longs} long prompts came after every "
                 "stream had ended and interfered with nothing; lower --long-every-s or raise "

@@ -89,11 +89,11 @@ def test_long_prompts_sent_after_the_streams_ended_are_reported() -> None:
     run = interference.ModeRun(
         interference.Mode("colocated"), BenchResult(records=records, duration_s=8.0)
     )
-    assert interference.late_long_prompts(run) == 1
+    assert interference.late_long_prompts(run) == (1, 2)
     note = interference.format_late_notes([run])
     assert "colocated: 1 of 2 long prompts came after every stream had ended" in note
     on_time = _run("disaggregated", [0.06] * 100, long_ttft=2.0)
-    assert interference.late_long_prompts(on_time) == 0
+    assert interference.late_long_prompts(on_time) == (0, 1)
     assert interference.format_late_notes([on_time]) == ""
 
 
