@@ -206,14 +206,28 @@ def _raw_logprobs(
     batch = logits.shape[0]
     chosen = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     if totals is None or not known_norm:
-        return chosen - torch.logsumexp(logits, dim=-1)
+        return chosen - _log_normaliser(logits)
     log_norm = totals.log_().add_(logits.amax(dim=-1))
     if len(known_norm) < batch:
         known = set(known_norm)
         rest = [row for row in range(batch) if row not in known]
         rest_index = torch.tensor(rest, device=logits.device)
-        log_norm[rest_index] = torch.logsumexp(logits.index_select(0, rest_index), dim=-1)
+        log_norm[rest_index] = _log_normaliser(logits.index_select(0, rest_index))
     return chosen - log_norm
+
+
+def _log_normaliser(logits: torch.Tensor) -> torch.Tensor:
+    """``logsumexp`` of each row, with ``exp``'s arguments floored at ``_MIN_EXPONENT``.
+
+    The floor changes no float32 result (a floored term adds 1.8e-35 to a sum of at least 1)
+    but keeps ``exp`` off its slow path below about -87: ``torch.logsumexp`` over logits
+    spanning 240 nats took 0.68 ms per 49k-token row on this CPU against 0.05 ms here.
+    (SmolLM2's logits span 20-40 nats, where both take ~0.05 ms; a confident model's span
+    can be far wider.)"""
+    top = logits.amax(dim=-1)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    total = (logits - top.unsqueeze(1)).clamp_(min=_MIN_EXPONENT).exp_().sum(dim=-1)
+    return total.log_().add_(top)
 
 
 def _just_below(values: torch.Tensor) -> list[float]:

@@ -282,6 +282,26 @@ def test_logprobs_are_log_softmax_of_raw_logits_at_chosen_ids() -> None:
     assert out.logprobs[0] == pytest.approx(float(reference[0].max()), abs=1e-5)
 
 
+def test_logprobs_hold_over_logits_spanning_hundreds_of_nats() -> None:
+    # A real model's logits span far more than exp's normal range below the top one (the
+    # normaliser floors those terms); every row kind must still give log_softmax exactly.
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 4096, generator=gen) * 60.0
+    logits[3, 100:] = -torch.inf
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.5),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0),
+    ]
+    for rows in ([0, 3], [0, 1, 2, 3], [1, 2]):
+        batch = logits[rows]
+        out = Sampler()(batch, [params[r] for r in rows], [_gen(r) for r in rows])
+        reference = torch.log_softmax(batch.double(), dim=-1)
+        expected = reference.gather(1, out.token_ids.unsqueeze(1)).squeeze(1).float()
+        torch.testing.assert_close(out.logprobs, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_mismatched_lengths_are_rejected() -> None:
     with pytest.raises(ValueError, match="2 logits rows, 1 params and 2 generators"):
         Sampler()(torch.zeros(2, 4), [SamplingParams()], [None, None])
