@@ -438,12 +438,23 @@ void dequantize_avx2(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, 
 
 // ---- tiled path: larger batches -------------------------------------------------------
 // TW rows of W are dequantized into a float32 tile (in L1: TW * K * 4 bytes) and every
-// input row of the panel runs against it, TX rows at a time: TX x TW accumulators of 8
-// lanes, one pass over K. Per 8 columns of k: TX loads of x, TW of the tile, TX * TW FMAs.
-// A product (m, n) is the sum over its 8 lanes of a running FMA over k, the same
-// operations whatever the batch holds or how many threads run it.
+// input row of the panel runs against it in passes of up to TX rows: TX x TW accumulators
+// of 8 lanes, one pass over K. Per 8 columns of k: TX loads of x, TW of the tile, TX * TW
+// FMAs. A product (m, n) is the sum over its 8 lanes of a running FMA over k, the same
+// operations whatever the batch holds, however it is cut into passes and however many
+// threads run it.
+//
+// TX is what the register file holds: 16 vector registers (AVX2) fit 3 x 4 accumulators,
+// the 3 rows of x and a tile value; 32 (AVX-512VL, which gives AVX2 code ymm16-31) fit
+// 6 x 4 + 6 + 1. A pass of 1 or 2 rows has too few independent sums to keep both FMA units
+// busy (~55-60% of the 3-row pass's speed), so a panel's rows are spread evenly over the
+// fewest passes: 8 rows run as 4 + 4, not 3 + 3 + 2 (docs/benchmarks.md).
 constexpr int64_t TW = 4;   // weight rows per tile
-constexpr int64_t TX = 3;   // input rows in registers
+#ifdef __AVX512VL__
+constexpr int64_t TX = 6;   // input rows in registers
+#else
+constexpr int64_t TX = 3;
+#endif
 constexpr int64_t TM = 64;  // input rows per panel: the panel of x stays in L2
 
 // The 4 horizontal sums of a0..a3 (lane j = sum of aj).
@@ -453,21 +464,36 @@ inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 }
 
 template <int R>
-inline void tile_dot(const float* tile, int64_t K, const float* x, int64_t ldx,
-                     float res[TX][TW]) {
+inline void tile_dot(const float* tile, int64_t K, const float* x, float res[TX][TW]) {
   static_assert(TW == 4, "a row's TW sums are one hsum4");
+  static_assert(R <= TX, "a pass holds at most TX rows");
   __m256 acc[R][TW];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < TW; ++j) acc[r][j] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 8) {
     __m256 xv[R];
-    for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + r * ldx + k);
+    for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + r * K + k);
     for (int j = 0; j < TW; ++j) {
       const __m256 wv = _mm256_loadu_ps(tile + j * K + k);
       for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(wv, xv[r], acc[r][j]);
     }
   }
   for (int r = 0; r < R; ++r) _mm_storeu_ps(res[r], hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+}
+
+// One pass of `rows` (1..TX) rows of x against the tile.
+inline void tile_pass(int64_t rows, const float* tile, int64_t K, const float* x,
+                      float res[TX][TW]) {
+  switch (rows) {
+#if defined(__AVX512VL__)
+    case 6: tile_dot<6>(tile, K, x, res); break;
+    case 5: tile_dot<5>(tile, K, x, res); break;
+    case 4: tile_dot<4>(tile, K, x, res); break;
+#endif
+    case 3: tile_dot<3>(tile, K, x, res); break;
+    case 2: tile_dot<2>(tile, K, x, res); break;
+    default: tile_dot<1>(tile, K, x, res); break;
+  }
 }
 
 template <int64_t t>
@@ -478,21 +504,17 @@ void qlinear_tiled_avx2(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t 
     std::vector<float> tile(TW * K, 0.f);  // rows past N stay zero
     float res[TX][TW];
     for (int64_t m0 = 0; m0 < M; m0 += TM) {
-      const int64_t m1 = std::min(M, m0 + TM);
+      const int64_t rows = std::min(M, m0 + TM) - m0, passes = (rows + TX - 1) / TX;
       for (int64_t b = begin; b < end; ++b) {
         const int64_t n0 = b * TW, nw = std::min(TW, N - n0);
         for (int64_t j = 0; j < nw; ++j)
           dequantize_row_avx2<t>(w + (n0 + j) * row_bytes, K, tile.data() + j * K);
-        for (int64_t m = m0; m < m1; m += TX) {
-          const int64_t rows = std::min(TX, m1 - m);
-          const float* xm = x + m * K;
-          switch (rows) {
-            case 3: tile_dot<3>(tile.data(), K, xm, K, res); break;
-            case 2: tile_dot<2>(tile.data(), K, xm, K, res); break;
-            default: tile_dot<1>(tile.data(), K, xm, K, res); break;
-          }
-          for (int64_t r = 0; r < rows; ++r)
+        for (int64_t p = 0, m = m0; p < passes; ++p) {
+          const int64_t r_p = rows / passes + (p < rows % passes ? 1 : 0);  // differ by <= 1
+          tile_pass(r_p, tile.data(), K, x + m * K, res);
+          for (int64_t r = 0; r < r_p; ++r)
             for (int64_t j = 0; j < nw; ++j) out[(m + r) * N + n0 + j] = res[r][j];
+          m += r_p;
         }
       }
     }

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.extension import build_lock
+from kernels.extension import build_lock, isa_for
 from kernels.layer_ops import layer_ops_available
 
 # Loads layer_ops in a fresh process and prints where torch keeps its build.
@@ -48,3 +48,13 @@ def test_a_live_builder_is_waited_for_within_a_deadline(tmp_path: Path) -> None:
         assert (tmp_path / "lock").exists()
     with build_lock(tmp_path, 0.5):  # released (as by its holder's death): taken at once
         assert not (tmp_path / "lock").exists()
+
+
+def test_the_isa_of_a_build_follows_the_cpu_flags() -> None:
+    assert isa_for({"sse2"}) == ("generic", [])
+    name, flags = isa_for({"avx2", "fma", "f16c"})
+    assert name == "avx2" and "-mavx2" in flags and not any("avx512" in f for f in flags)
+    # AVX-512 without VL (no 32 registers for 256-bit code) builds the AVX2 kernel
+    assert isa_for({"avx2", "fma", "f16c", "avx512f"})[0] == "avx2"
+    name, flags = isa_for({"avx2", "fma", "f16c", "avx512f", "avx512vl"})
+    assert name == "avx512" and {"-mavx2", "-mavx512vl", "-mprefer-vector-width=256"} <= set(flags)

@@ -8,6 +8,8 @@ order of float32 additions.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
+from kernels.extension import isa_flags
 from kernels.quant_linear import (
     FUSED_ROWS,
     KERNEL_TYPES,
@@ -83,6 +86,9 @@ def test_batch_rows_do_not_depend_on_each_other(kernel: str) -> None:
     batch = qlinear(x, w, kernel=kernel)
     alone = torch.cat([qlinear(x[i : i + 1], w, kernel=kernel) for i in range(70)])
     assert torch.equal(batch, alone)
+    # Every way the tiled kernel cuts a panel into passes (1..6 rows each, spread evenly)
+    for m in range(2, 14):
+        assert torch.equal(qlinear(x[:m], w, kernel=kernel), alone[:m]), f"{m} rows"
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1 if threads > 1 else 2)
@@ -166,3 +172,33 @@ def test_unsupported_type_and_bad_inputs() -> None:
     assert qlinear(torch.randn(0, 64), w).shape == (0, 4)
     x = torch.randn(64, 3).t()  # not contiguous
     assert_product(qlinear(x, w), x, dequantize(w))
+
+
+@pytest.mark.slow
+def test_an_avx2_only_build_gives_the_same_products(tmp_path: Path) -> None:
+    # Where the CPU has AVX-512VL the kernel is built with it and cuts panels into passes of
+    # up to 6 rows; an AVX2-only CPU runs passes of up to 3. Each sum is the same running FMA
+    # over k, so the two builds agree bit for bit, for every way of cutting a panel.
+    from torch.utils.cpp_extension import load
+
+    from kernels.extension import CSRC, isa_for
+    from kernels.quant_linear import _EXTENSION
+
+    if isa_flags()[0] != "avx512":
+        pytest.skip("this CPU builds the AVX2 kernel already: the other tests cover it")
+    avx2 = load(
+        name="quant_linear_avx2_only",
+        sources=[str(_EXTENSION.source)],
+        extra_include_paths=[str(CSRC)],
+        extra_cflags=["-O3", "-fopenmp", *isa_for({"avx2", "fma", "f16c"})[1]],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(tmp_path),
+    )
+    g = torch.Generator().manual_seed(7)
+    for qtype in KERNEL_TYPES:
+        w, _ = weight(qtype, 33, widths(qtype)[1], seed=int(qtype))
+        for m in (*range(1, 14), 64, 70):
+            x = torch.randn(m, w.shape[1], generator=g)
+            out = torch.empty(m, w.shape[0])
+            avx2.qlinear(out, x, w.data, int(qtype), 1)
+            assert torch.equal(out, qlinear(x, w, kernel="tiled")), f"{qtype.name}, {m} rows"
