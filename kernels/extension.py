@@ -89,11 +89,12 @@ def source_digest(source: Path) -> str:
 def isa_flags() -> tuple[str, list[str]]:
     """AVX2+FMA+F16C where this CPU has them (the kernels' fast paths), else portable code.
 
-    Where it also has AVX-512F and VL the same AVX2 code is built with them: VL gives 256-bit
-    code 32 vector registers instead of 16, which the tiled product uses for passes of up to 6
-    input rows (``csrc/quant_linear.cpp``). Vectors stay 256 bits wide
-    (``-mprefer-vector-width=256``): the kernels are written for that width, and some CPUs
-    slow their clock for 512-bit code."""
+    Where it also has AVX-512F and VL the same code is built with them: 32 vector registers
+    instead of 16, which the tiled quantized product uses for passes of up to 6 input rows,
+    16 lanes wide (``csrc/quant_linear.cpp``). Everything else is written 8 lanes wide and
+    the compiler's own vectorizing stays at 256 bits (``-mprefer-vector-width=256``): code
+    written for AVX2 gains nothing from wider vectors it did not ask for, and some CPUs slow
+    their clock for 512-bit code."""
     try:
         flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:

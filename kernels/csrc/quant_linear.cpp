@@ -5,7 +5,7 @@
 //
 // W is the checkpoint's bytes as stored: row n is K / block_elems blocks of llama.cpp's
 // layout (Q8_0, Q4_0, Q4_1: 32 elements per block; Q4_K, Q6_K: 256 per super-block). A
-// weight is dequantized 8 elements at a time in registers, with the same float32
+// weight is dequantized 8 (or 16) elements at a time in registers, with the same float32
 // operations in the same order as gguf-py's numpy reference, so a dequantized element is
 // bit-identical to the float32 checkpoint's.
 //
@@ -23,7 +23,9 @@
 // GEMM: no dense copy, and faster than that GEMM at these shapes (docs/benchmarks.md).
 //
 // Both add a product's terms in an order fixed by K alone, so a row's output does not
-// depend on the other rows of the batch or on the thread count (within one kernel).
+// depend on the other rows of the batch or on the thread count (within one kernel and one
+// build: where the CPU has AVX-512 the tiled kernel runs 16-wide, which orders a sum's
+// float32 additions differently from an AVX2 build's).
 //
 // Shapes and dtypes are checked by the Python launcher (kernels/quant_linear.py):
 //   x   [M, K]                 float32, contiguous
@@ -41,6 +43,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define PDSERVE_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+#define PDSERVE_AVX512 1  // the tiled kernel's tile and passes 16 wide, 32 vector registers
+#endif
 #endif
 
 namespace {
@@ -420,8 +425,61 @@ void qlinear_avx2(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, con
   });
 }
 
+#ifdef PDSERVE_AVX512
+inline __m512i load16_u8(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m512i load16_i8(const uint8_t* p) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m512 bcast_half16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<int16_t>(h)));
+}
+
+// One 32-element chunk of a one-scale type into two vectors of 16: half the instructions
+// of chunk_avx2, the same float32 operations on each element (bit-identical values).
+template <int64_t t>
+inline void chunk_avx512(const uint8_t* row, int64_t c, __m512 w[2]) {
+  const __m512i lo4 = _mm512_set1_epi32(0xF);
+  if constexpr (t == Q8_0) {
+    const uint8_t* b = row + c * 34;
+    const __m512 d = bcast_half16(b);
+    w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(load16_i8(b + 2)), d);
+    w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(load16_i8(b + 18)), d);
+  } else if constexpr (t == Q4_0) {
+    const uint8_t* b = row + c * 18;
+    const __m512 d = bcast_half16(b);
+    const __m512i q = load16_u8(b + 2), eight = _mm512_set1_epi32(8);
+    w[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(q, lo4), eight)));
+    w[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(q, 4), eight)));
+  } else {
+    static_assert(t == Q4_1, "chunk_avx512 covers Q8_0, Q4_0 and Q4_1");
+    const uint8_t* b = row + c * 20;
+    const __m512 d = bcast_half16(b), m = bcast_half16(b + 2);
+    const __m512i q = load16_u8(b + 4);
+    w[0] = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(q, lo4))), m);
+    w[1] = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4))), m);
+  }
+}
+#endif
+
 template <int64_t t>
 inline void dequantize_row_avx2(const uint8_t* row, int64_t K, float* out) {
+#ifdef PDSERVE_AVX512
+  if constexpr (t == Q8_0 || t == Q4_0 || t == Q4_1) {
+    __m512 v[2];
+    for (int64_t c = 0; c < K / 32; ++c) {
+      chunk_avx512<t>(row, c, v);
+      _mm512_storeu_ps(out + 32 * c, v[0]);
+      _mm512_storeu_ps(out + 32 * c + 16, v[1]);
+    }
+    return;
+  }
+#endif
   __m256 v[4];
   for (int64_t c = 0; c < K / 32; ++c) {
     chunk_avx2<t>(row, c, v);
@@ -439,18 +497,20 @@ void dequantize_avx2(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, 
 // ---- tiled path: larger batches -------------------------------------------------------
 // TW rows of W are dequantized into a float32 tile (in L1: TW * K * 4 bytes) and every
 // input row of the panel runs against it in passes of up to TX rows: TX x TW accumulators
-// of 8 lanes, one pass over K. Per 8 columns of k: TX loads of x, TW of the tile, TX * TW
-// FMAs. A product (m, n) is the sum over its 8 lanes of a running FMA over k, the same
+// of L lanes, one pass over K. Per L columns of k: TX loads of x, TW of the tile, TX * TW
+// FMAs. A product (m, n) is the sum over its L lanes of a running FMA over k, the same
 // operations whatever the batch holds, however it is cut into passes and however many
 // threads run it.
 //
-// TX is what the register file holds: 16 vector registers (AVX2) fit 3 x 4 accumulators,
-// the 3 rows of x and a tile value; 32 (AVX-512VL, which gives AVX2 code ymm16-31) fit
-// 6 x 4 + 6 + 1. A pass of 1 or 2 rows has too few independent sums to keep both FMA units
-// busy (~55-60% of the 3-row pass's speed), so a panel's rows are spread evenly over the
-// fewest passes: 8 rows run as 4 + 4, not 3 + 3 + 2 (docs/benchmarks.md).
+// L and TX are what the vector registers hold: AVX2's 16 registers of 8 lanes fit 3 x 4
+// accumulators, the 3 rows of x and a tile value; AVX-512's 32 registers of 16 lanes fit
+// 6 x 4 + 6 + 1. (The tile is dequantized 16 wide there too: per weight, the unpacking
+// costs as much as the FMAs of a 6-row pass.) A pass of 1 or 2 rows has too few independent
+// sums to keep both FMA units busy (~55-60% of the 3-row pass's speed), so a panel's rows
+// are spread evenly over the fewest passes: 8 rows run as 4 + 4, not 3 + 3 + 2
+// (docs/benchmarks.md).
 constexpr int64_t TW = 4;   // weight rows per tile
-#ifdef __AVX512VL__
+#ifdef PDSERVE_AVX512
 constexpr int64_t TX = 6;   // input rows in registers
 #else
 constexpr int64_t TX = 3;
@@ -463,6 +523,31 @@ inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
+#ifdef PDSERVE_AVX512
+template <int R>
+inline void tile_dot(const float* tile, int64_t K, const float* x, float res[TX][TW]) {
+  static_assert(TW == 4, "a row's TW sums are one hsum4");
+  static_assert(R <= TX, "a pass holds at most TX rows");
+  __m512 acc[R][TW];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < TW; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {  // K is a multiple of 32 (the block size)
+    __m512 xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_ps(x + r * K + k);
+    for (int j = 0; j < TW; ++j) {
+      const __m512 wv = _mm512_loadu_ps(tile + j * K + k);
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(wv, xv[r], acc[r][j]);
+    }
+  }
+  // lanes i and i + 8 first, then the 8 as in the AVX2 kernel
+  const auto fold = [](__m512 a) {
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    return _mm256_add_ps(_mm512_castps512_ps256(a), hi);
+  };
+  for (int r = 0; r < R; ++r)
+    _mm_storeu_ps(res[r], hsum4(fold(acc[r][0]), fold(acc[r][1]), fold(acc[r][2]), fold(acc[r][3])));
+}
+#else
 template <int R>
 inline void tile_dot(const float* tile, int64_t K, const float* x, float res[TX][TW]) {
   static_assert(TW == 4, "a row's TW sums are one hsum4");
@@ -480,12 +565,13 @@ inline void tile_dot(const float* tile, int64_t K, const float* x, float res[TX]
   }
   for (int r = 0; r < R; ++r) _mm_storeu_ps(res[r], hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
 }
+#endif
 
 // One pass of `rows` (1..TX) rows of x against the tile.
 inline void tile_pass(int64_t rows, const float* tile, int64_t K, const float* x,
                       float res[TX][TW]) {
   switch (rows) {
-#if defined(__AVX512VL__)
+#ifdef PDSERVE_AVX512
     case 6: tile_dot<6>(tile, K, x, res); break;
     case 5: tile_dot<5>(tile, K, x, res); break;
     case 4: tile_dot<4>(tile, K, x, res); break;
