@@ -64,11 +64,18 @@ HEALTH_TIMEOUT_S = 120.0
 STOP_GRACE_S = 10.0
 
 # CPU only and self-contained: static libraries so the binary needs no rpath into the build
-# tree; curl off (it would only download models, which we never do).
+# tree; curl off (it would only download models, which we never do). Native CPU flags but
+# no AMX: on an AMX host (Intel Xeon, 2026-12-05) ggml's AMX matmul of this build crashed
+# every tool on the default model (SIGSEGV in ggml_backend_amx_mul_mat, first prompt), while
+# torch's AMX GEMMs ran on the same VM; without AMX llama.cpp runs its AVX-512 code, and an
+# explicit -mno-* outranks -march=native. On a CPU without AMX the flags change nothing.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 CMAKE_OPTIONS: tuple[str, ...] = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",
     "-DGGML_NATIVE=ON",
+    f"-DCMAKE_C_FLAGS={NO_AMX}",
+    f"-DCMAKE_CXX_FLAGS={NO_AMX}",
     "-DGGML_CUDA=OFF",
     "-DGGML_METAL=OFF",
     "-DGGML_VULKAN=OFF",

@@ -106,6 +106,12 @@ def test_build_commands_are_cpu_only_release_and_build_every_target_at_once() ->
     assert configure[:5] == ["cmake", "-S", str(layout.llama_cpp_dir), "-B", "/cache/v/build"]
     for option in ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_CUDA=OFF", "-DLLAMA_CURL=OFF"):
         assert option in configure
+    # native flags, but not ggml's AMX matmul (it crashed on an AMX VM): C and C++ alike
+    assert "-DGGML_NATIVE=ON" in configure
+    for lang in ("C", "CXX"):
+        [option] = [o for o in configure if o.startswith(f"-DCMAKE_{lang}_FLAGS=")]
+        flags = option.split("=", 1)[1].split()
+        assert {"-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"} <= set(flags)
     build = cmake_build_command(layout.build_dir, jobs=2)
     assert build.count("--target") == 1 and build.count("--build") == 1
     at = build.index("--target") + 1
