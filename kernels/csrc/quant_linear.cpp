@@ -523,49 +523,51 @@ inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
+// The vector of the passes: 16 lanes where AVX-512 is built, else 8. fold() leaves the 8
+// sums the AVX2 kernel's lanes would hold (lanes i and i + 8 added), for hsum4.
 #ifdef PDSERVE_AVX512
-template <int R>
-inline void tile_dot(const float* tile, int64_t K, const float* x, float res[TX][TW]) {
-  static_assert(TW == 4, "a row's TW sums are one hsum4");
-  static_assert(R <= TX, "a pass holds at most TX rows");
-  __m512 acc[R][TW];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < TW; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {  // K is a multiple of 32 (the block size)
-    __m512 xv[R];
-    for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_ps(x + r * K + k);
-    for (int j = 0; j < TW; ++j) {
-      const __m512 wv = _mm512_loadu_ps(tile + j * K + k);
-      for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(wv, xv[r], acc[r][j]);
-    }
-  }
-  // lanes i and i + 8 first, then the 8 as in the AVX2 kernel
-  const auto fold = [](__m512 a) {
+struct TileVec {
+  using T = __m512;
+  static constexpr int64_t lanes = 16;
+  static T zero() { return _mm512_setzero_ps(); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static __m256 fold(T a) {
     const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
     return _mm256_add_ps(_mm512_castps512_ps256(a), hi);
-  };
-  for (int r = 0; r < R; ++r)
-    _mm_storeu_ps(res[r], hsum4(fold(acc[r][0]), fold(acc[r][1]), fold(acc[r][2]), fold(acc[r][3])));
-}
+  }
+};
 #else
+struct TileVec {
+  using T = __m256;
+  static constexpr int64_t lanes = 8;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static __m256 fold(T a) { return a; }
+};
+#endif
+
 template <int R>
 inline void tile_dot(const float* tile, int64_t K, const float* x, float res[TX][TW]) {
   static_assert(TW == 4, "a row's TW sums are one hsum4");
   static_assert(R <= TX, "a pass holds at most TX rows");
-  __m256 acc[R][TW];
+  using V = TileVec;
+  V::T acc[R][TW];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < TW; ++j) acc[r][j] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    __m256 xv[R];
-    for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + r * K + k);
+    for (int j = 0; j < TW; ++j) acc[r][j] = V::zero();
+  for (int64_t k = 0; k < K; k += V::lanes) {  // K is a multiple of 32 (the block size)
+    V::T xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = V::load(x + r * K + k);
     for (int j = 0; j < TW; ++j) {
-      const __m256 wv = _mm256_loadu_ps(tile + j * K + k);
-      for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(wv, xv[r], acc[r][j]);
+      const V::T wv = V::load(tile + j * K + k);
+      for (int r = 0; r < R; ++r) acc[r][j] = V::fma(wv, xv[r], acc[r][j]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm_storeu_ps(res[r], hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+  for (int r = 0; r < R; ++r)
+    _mm_storeu_ps(res[r], hsum4(V::fold(acc[r][0]), V::fold(acc[r][1]), V::fold(acc[r][2]),
+                                V::fold(acc[r][3])));
 }
-#endif
 
 // One pass of `rows` (1..TX) rows of x against the tile.
 inline void tile_pass(int64_t rows, const float* tile, int64_t K, const float* x,
