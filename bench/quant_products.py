@@ -10,7 +10,9 @@ the three at each batch size on the model's own weights: layer 0's packed matric
 as the model stacks them (qkv, o, gate_up, down), times the number of layers, plus the LM
 head once: the products of a decode step. The ways take turns repeat by repeat (the host's
 speed drifts within minutes); reported: each one's median ms per step, the tiled kernel's
-time ÷ the others' per repeat, and which kernel ``QuantLinear`` picks at that batch.
+time ÷ the others' per repeat, and which kernel ``QuantLinear`` picks at that batch (from
+``GEMM_ROWS`` rows, a long prompt's, it runs the third way again, one panel of the weight
+at a time and without keeping the buffer).
 """
 
 from __future__ import annotations
@@ -99,7 +101,12 @@ def _ratio_cell(r: list[float]) -> str:
     return f"{median(r):.2f}× ({min(r):.2f}–{max(r):.2f})"
 
 
-def format_table(figures: Sequence[Figure], fused_rows: int) -> str:
+def picked(batch: int, fused_rows: int, gemm_rows: int) -> str:
+    """The way ``QuantLinear`` runs a product of ``batch`` rows."""
+    return "fused" if batch <= fused_rows else "tiled" if batch < gemm_rows else "gemm"
+
+
+def format_table(figures: Sequence[Figure], fused_rows: int, gemm_rows: int) -> str:
     rows = [
         [
             str(f.batch),
@@ -108,7 +115,7 @@ def format_table(figures: Sequence[Figure], fused_rows: int) -> str:
             f"{median(f.gemm_ms):.1f}",
             _ratio_cell(f.ratios("fused")),
             _ratio_cell(f.ratios("gemm")),
-            "fused" if f.batch <= fused_rows else "tiled",
+            picked(f.batch, fused_rows, gemm_rows),
         ]
         for f in figures
     ]
@@ -138,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads < 1 or args.repeats < 1 or min(args.batches) < 1:
         p.error("--threads, --repeats and every --batches value must be >= 1")
-    from kernels.quant_linear import FUSED_ROWS
+    from kernels.quant_linear import FUSED_ROWS, GEMM_ROWS
 
     figures = run(
         model=args.model, threads=args.threads, batches=args.batches, repeats=args.repeats,
@@ -149,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"command: {command}")
     print(f"machine: {machine['cpu_model']}, {machine['cpu_count']} CPUs; {args.threads} thr")
     print()
-    print(format_table(figures, FUSED_ROWS))
+    print(format_table(figures, FUSED_ROWS, GEMM_ROWS))
     if args.json:
         write_json(
             args.json,
@@ -157,6 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "command": command,
                 "machine": machine,
                 "fused_rows": FUSED_ROWS,
+                "gemm_rows": GEMM_ROWS,
                 "figures": [asdict(f) for f in figures],
             },
         )

@@ -1,9 +1,10 @@
 """Linear layers over GGUF-quantized weights kept as packed blocks, and their checking launchers.
 
 A ``QuantizedWeight`` is a checkpoint tensor's bytes as stored (llama.cpp's block layout),
-viewed as ``[out_features, row_bytes]``. ``qlinear`` runs ``csrc/quant_linear.cpp``, which
-dequantizes blocks as it goes and accumulates in float32, never making a dense copy: a fused
-kernel for a few rows (each weight byte read once per call), a tiled one for more.
+viewed as ``[out_features, row_bytes]``. ``qlinear`` multiplies by it in float32: the C++
+kernels of ``csrc/quant_linear.cpp`` dequantize blocks as they go (a fused kernel for a few
+rows, each weight byte read once per call; a tiled one for more), and a long prompt's
+hundreds of rows run torch's GEMM on dequantized panels of W, freed after the call.
 ``dequantize`` gives the dense float32 weight, element for element equal to
 ``gguf.quants.dequantize`` (the same float32 operations in the same order), which is what
 makes a quantized worker compute with the same numbers as a float32 one.
@@ -100,8 +101,10 @@ class QuantizedWeight:
         return QuantizedWeight(first.qtype, (rows, first.shape[1]), data)
 
 
-KERNELS = ("fused", "tiled", "portable")
+KERNELS = ("fused", "tiled", "portable")  # the C++ kernels, in csrc/quant_linear.cpp's order
 FUSED_ROWS = 4  # products of up to this many rows run the fused kernel, larger the tiled
+GEMM_ROWS = 256  # from this many rows (prompts) dequantize + torch's GEMM beats the tiled
+GEMM_PANEL_BYTES = 8 << 20  # the dense float32 rows of W that "gemm" holds at a time
 
 
 def qlinear(x: torch.Tensor, w: QuantizedWeight, *, kernel: str = "auto") -> torch.Tensor:
@@ -111,8 +114,12 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, *, kernel: str = "auto") -> tor
     fastest for a few rows), ``"tiled"`` dequantizes a few rows of W at a time into a tile
     and runs a register-blocked kernel over every input row (the fastest past
     ``FUSED_ROWS``: ``python -m bench.quant_products``), ``"portable"`` the plain C++ path
-    (what every kernel is on a CPU without AVX2; tests use it), ``"auto"`` picks by size.
-    Within one kernel a row's output does not depend on the batch's other rows."""
+    (what every kernel is on a CPU without AVX2; tests use it), ``"gemm"`` dequantizes
+    panels of W's rows (``GEMM_PANEL_BYTES`` at a time, freed after the call) and runs
+    torch's GEMM on them (the fastest from ``GEMM_ROWS``, where each dequantized weight
+    serves hundreds of rows), ``"auto"`` picks by size. Within one of the C++ kernels a
+    row's output does not depend on the batch's other rows; torch's GEMM gives no such
+    promise."""
     out_f, in_f = w.shape
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != in_f:
         raise ValueError(
@@ -120,14 +127,34 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, *, kernel: str = "auto") -> tor
         )
     if x.device.type != "cpu":
         raise ValueError("quantized linear runs on CPU tensors")
+    m = x.shape[0]
     if kernel == "auto":
-        kernel = "fused" if x.shape[0] <= FUSED_ROWS else "tiled"
+        kernel = "fused" if m <= FUSED_ROWS else "tiled" if m < GEMM_ROWS else "gemm"
+    if kernel == "gemm":
+        return _panel_gemm(x, w)
     if kernel not in KERNELS:
-        raise ValueError(f"kernel is one of {KERNELS} or 'auto', got {kernel!r}")
-    out = x.new_empty((x.shape[0], out_f))
-    if x.shape[0]:
+        raise ValueError(f"kernel is one of {(*KERNELS, 'gemm')} or 'auto', got {kernel!r}")
+    out = x.new_empty((m, out_f))
+    if m:
         mod = _EXTENSION.require()
         mod.qlinear(out, x.contiguous(), w.data, int(w.qtype), KERNELS.index(kernel))
+    return out
+
+
+def _panel_gemm(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """``x @ W^T`` by torch's GEMM over dense panels of W's rows, one panel alive at a time."""
+    out_f, in_f = w.shape
+    rows = max(1, GEMM_PANEL_BYTES // (4 * in_f))
+    if rows >= out_f:  # one panel: the whole weight (every layer of the default model)
+        return torch.nn.functional.linear(x, dequantize(w))
+    out = x.new_empty((x.shape[0], out_f))
+    mod = _EXTENSION.require()
+    panel = torch.empty((rows, in_f), dtype=torch.float32)
+    for n0 in range(0, out_f, rows):
+        n1 = min(out_f, n0 + rows)
+        dense = panel[: n1 - n0]
+        mod.dequantize(dense, w.data[n0:n1], int(w.qtype), False)
+        out[:, n0:n1] = torch.nn.functional.linear(x, dense)
     return out
 
 
@@ -157,8 +184,9 @@ def dequantize_rows(w: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor:
 
 class QuantLinear:
     """``y = x @ W^T`` over packed blocks, ``x`` float32 ``[M, in]`` (the interface of
-    ``kernels.linear.PackedLinear``): ``qlinear`` with the kernel picked by size. Neither
-    kernel makes a dense copy of the weight, so a quantized model holds only its blocks."""
+    ``kernels.linear.PackedLinear``): ``qlinear`` with the kernel picked by size. No dense
+    copy of the weight outlives a call (a long prompt's product dequantizes a panel of at
+    most ``GEMM_PANEL_BYTES``), so a quantized model holds only its blocks."""
 
     __slots__ = ("in_features", "out_features", "weight")
 

@@ -21,10 +21,12 @@ def test_table_takes_ratios_repeat_by_repeat_and_names_the_kernel_taken() -> Non
     figures = [
         Figure(4, (10.0, 20.0, 12.0), (20.0, 30.0, 24.0), (40.0, 60.0, 48.0)),
         Figure(32, (40.0,), (30.0,), (60.0,)),
+        Figure(256, (80.0,), (60.0,), (50.0,)),
     ]
-    table = format_table(figures, fused_rows=4)
+    table = format_table(figures, fused_rows=4, gemm_rows=256)
     assert "| 4 | 12.0 | 24.0 | 48.0 | 2.00× (1.50–2.00) | 0.50× (0.50–0.50) | fused |" in table
     assert "| 32 | 40.0 | 30.0 | 60.0 | 0.75× (0.75–0.75) | 0.50× (0.50–0.50) | tiled |" in table
+    assert "| 256 | 80.0 | 60.0 | 50.0 | 0.75× (0.75–0.75) | 1.20× (1.20–1.20) | gemm |" in table
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -40,7 +42,7 @@ def test_small_run_measures_every_way(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "| 2 |" in proc.stdout and "| fused |" in proc.stdout and "| tiled |" in proc.stdout
     payload = json.loads(out.read_text())
-    assert payload["fused_rows"] == 4
+    assert payload["fused_rows"] == 4 and payload["gemm_rows"] == 256
     assert [f["batch"] for f in payload["figures"]] == [2, 30]
     for f in payload["figures"]:
         assert len(f["fused_ms"]) == len(f["tiled_ms"]) == len(f["gemm_ms"]) == 2

@@ -17,9 +17,11 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
+from kernels import quant_linear
 from kernels.extension import isa_flags
 from kernels.quant_linear import (
     FUSED_ROWS,
+    GEMM_ROWS,
     KERNEL_TYPES,
     QuantizedWeight,
     QuantLinear,
@@ -97,13 +99,32 @@ def test_batch_rows_do_not_depend_on_each_other(kernel: str) -> None:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_long_prompts_run_torch_gemm_on_dequantized_panels(
+    qtype: Q, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cols = widths(qtype)[1]
+    w, ref = weight(qtype, 37, cols, seed=3)
+    x = torch.randn(300, cols, generator=torch.Generator().manual_seed(3))
+    whole = qlinear(x, w, kernel="gemm")  # 37 rows: one panel
+    assert_product(whole, x, ref)
+    # panels of 8 weight rows (the last one 5): the same products, column by column
+    monkeypatch.setattr(quant_linear, "GEMM_PANEL_BYTES", 8 * 4 * cols)
+    panelled = qlinear(x, w, kernel="gemm")
+    assert_product(panelled, x, ref)
+    torch.testing.assert_close(panelled, whole, rtol=1e-5, atol=1e-5)
+    assert qlinear(x[:0], w, kernel="gemm").shape == (0, 37)
+    with pytest.raises(ValueError, match="'gemm'"):
+        qlinear(x, w, kernel="blas")
+
+
 def test_quant_linear_picks_the_kernel_by_rows() -> None:
     w, ref = weight(Q.Q4_K, 96, 512, seed=5)
     layer = QuantLinear(w)
-    for m in (1, FUSED_ROWS, FUSED_ROWS + 1, 40):
+    for m in (1, FUSED_ROWS, FUSED_ROWS + 1, 40, GEMM_ROWS - 1, GEMM_ROWS, GEMM_ROWS + 70):
         x = torch.randn(m, 512)
-        want = qlinear(x, w, kernel="fused" if m <= FUSED_ROWS else "tiled")
-        assert torch.equal(layer(x), want)
+        kernel = "fused" if m <= FUSED_ROWS else "tiled" if m < GEMM_ROWS else "gemm"
+        assert torch.equal(layer(x), qlinear(x, w, kernel=kernel)), m
         assert_product(layer(x), x, ref)
     assert torch.equal(layer.dense(), ref)
     buf = torch.empty(96, 512)
