@@ -49,26 +49,36 @@ class Extension:
             if self._module is not None or self._failed:
                 return self._module
             try:
-                from torch.utils.cpp_extension import _get_build_directory, load
+                from torch.utils.cpp_extension import _get_build_directory
 
                 isa, flags = isa_flags()
                 name = f"pdserve_{self.stem}_{isa}_{source_digest(self.source)}"
                 with build_lock(Path(_get_build_directory(name, verbose=False))):
-                    self._module = load(
-                        name=name,
-                        sources=[str(self.source)],
-                        extra_include_paths=[str(CSRC)],
-                        # -fopenmp: at::parallel_for runs on torch's intra-op threads (without
-                        # it the header falls back to one thread). It links libgomp.so.1 by
-                        # soname: the copy torch loaded, so one OpenMP runtime per process.
-                        extra_cflags=["-O3", "-fopenmp", *flags, *self.extra_cflags],
-                        extra_ldflags=["-fopenmp"],
-                        verbose=False,
-                    )
+                    self._module = self.compile(name, flags)
             except Exception as e:  # no compiler, no ninja, no headers: keep the reference
                 self._failed = True
                 log.warning("cpu_kernel_unavailable", kernel=self.stem, error=str(e))
             return self._module
+
+    def compile(
+        self, name: str, isa_cflags: list[str], build_directory: Path | None = None
+    ) -> ModuleType:
+        """Build and load the source as module ``name`` for the ISA flags ``isa_cflags``
+        (``load`` passes this CPU's; a test may build another ISA's into its own directory)."""
+        from torch.utils.cpp_extension import load
+
+        return load(
+            name=name,
+            sources=[str(self.source)],
+            extra_include_paths=[str(CSRC)],
+            # -fopenmp: at::parallel_for runs on torch's intra-op threads (without it the
+            # header falls back to one thread). It links libgomp.so.1 by soname: the copy
+            # torch loaded, so one OpenMP runtime per process.
+            extra_cflags=["-O3", "-fopenmp", *isa_cflags, *self.extra_cflags],
+            extra_ldflags=["-fopenmp"],
+            build_directory=None if build_directory is None else str(build_directory),
+            verbose=False,
+        )
 
     def require(self) -> ModuleType:
         """The loaded module; ``RuntimeError`` when the kernel could not be built."""

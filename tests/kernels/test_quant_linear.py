@@ -202,21 +202,13 @@ def test_an_avx2_only_build_is_right_where_the_cpu_has_avx512(tmp_path: Path) ->
     # not reach on such a CPU. Build it and check it: products within the reference's
     # tolerance (the fused kernel's too), rows independent of the batch for every way of
     # cutting a panel, and dequantized weights bit-equal to this build's.
-    from torch.utils.cpp_extension import load
-
-    from kernels.extension import CSRC, isa_for
+    from kernels.extension import isa_for
     from kernels.quant_linear import _EXTENSION, KERNELS
 
     if isa_flags()[0] != "avx512":
         pytest.skip("this CPU builds the AVX2 kernel already: the other tests cover it")
-    avx2 = load(
-        name="quant_linear_avx2_only",
-        sources=[str(_EXTENSION.source)],
-        extra_include_paths=[str(CSRC)],
-        extra_cflags=["-O3", "-fopenmp", *isa_for({"avx2", "fma", "f16c"})[1]],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(tmp_path),
-    )
+    avx2_flags = isa_for({"avx2", "fma", "f16c"})[1]
+    avx2 = _EXTENSION.compile("quant_linear_avx2_only", avx2_flags, build_directory=tmp_path)
 
     def product(x: torch.Tensor, w: QuantizedWeight, kernel: str) -> torch.Tensor:
         out = torch.empty(x.shape[0], w.shape[0])
