@@ -101,12 +101,9 @@ def _ratio_cell(r: list[float]) -> str:
     return f"{median(r):.2f}× ({min(r):.2f}–{max(r):.2f})"
 
 
-def picked(batch: int, fused_rows: int, gemm_rows: int) -> str:
-    """The way ``QuantLinear`` runs a product of ``batch`` rows."""
-    return "fused" if batch <= fused_rows else "tiled" if batch < gemm_rows else "gemm"
+def format_table(figures: Sequence[Figure]) -> str:
+    from kernels.quant_linear import kernel_for
 
-
-def format_table(figures: Sequence[Figure], fused_rows: int, gemm_rows: int) -> str:
     rows = [
         [
             str(f.batch),
@@ -115,7 +112,7 @@ def format_table(figures: Sequence[Figure], fused_rows: int, gemm_rows: int) -> 
             f"{median(f.gemm_ms):.1f}",
             _ratio_cell(f.ratios("fused")),
             _ratio_cell(f.ratios("gemm")),
-            picked(f.batch, fused_rows, gemm_rows),
+            kernel_for(f.batch),
         ]
         for f in figures
     ]
@@ -156,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"command: {command}")
     print(f"machine: {machine['cpu_model']}, {machine['cpu_count']} CPUs; {args.threads} thr")
     print()
-    print(format_table(figures, FUSED_ROWS, GEMM_ROWS))
+    print(format_table(figures))
     if args.json:
         write_json(
             args.json,

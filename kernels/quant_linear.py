@@ -107,6 +107,11 @@ GEMM_ROWS = 256  # from this many rows (prompts) dequantize + torch's GEMM beats
 GEMM_PANEL_BYTES = 8 << 20  # the dense float32 rows of W that "gemm" holds at a time
 
 
+def kernel_for(rows: int) -> str:
+    """The way ``qlinear``'s ``"auto"`` runs a product of ``rows`` input rows."""
+    return "fused" if rows <= FUSED_ROWS else "tiled" if rows < GEMM_ROWS else "gemm"
+
+
 def qlinear(x: torch.Tensor, w: QuantizedWeight, *, kernel: str = "auto") -> torch.Tensor:
     """``x @ W^T`` for ``x`` float32 ``[M, in_features]``: ``[M, out_features]`` float32.
 
@@ -129,7 +134,7 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, *, kernel: str = "auto") -> tor
         raise ValueError("quantized linear runs on CPU tensors")
     m = x.shape[0]
     if kernel == "auto":
-        kernel = "fused" if m <= FUSED_ROWS else "tiled" if m < GEMM_ROWS else "gemm"
+        kernel = kernel_for(m)
     if kernel == "gemm":
         return _panel_gemm(x, w)
     if kernel not in KERNELS:

@@ -23,7 +23,7 @@ def test_table_takes_ratios_repeat_by_repeat_and_names_the_kernel_taken() -> Non
         Figure(32, (40.0,), (30.0,), (60.0,)),
         Figure(256, (80.0,), (60.0,), (50.0,)),
     ]
-    table = format_table(figures, fused_rows=4, gemm_rows=256)
+    table = format_table(figures)  # QuantLinear's picks: fused to 4 rows, gemm from 256
     assert "| 4 | 12.0 | 24.0 | 48.0 | 2.00× (1.50–2.00) | 0.50× (0.50–0.50) | fused |" in table
     assert "| 32 | 40.0 | 30.0 | 60.0 | 0.75× (0.75–0.75) | 0.50× (0.50–0.50) | tiled |" in table
     assert "| 256 | 80.0 | 60.0 | 50.0 | 0.75× (0.75–0.75) | 1.20× (1.20–1.20) | gemm |" in table
