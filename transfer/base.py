@@ -24,10 +24,13 @@ reason in ``error``: ``TransferTimeout`` past the deadline, ``TransferError`` fo
 peer, a broken connection or an abort). The owner resolves a failed job only once it will
 read none of the job's source bytes again, so the caller may then release the source blocks.
 
-Contract for the target: after a job failed, bytes of it may still land in its destination
-blocks for a short while (bytes already in a socket buffer). The decode worker must not
-hand those blocks to another request until the writer's deadline plus a grace period has
-passed (the KV lease of the failure model).
+Contract for the target (the fence): once a job's outcome is in, ``job.quiet`` says whether
+any byte of it can still land in its destination blocks. True: none can (a success; a copy
+that stopped on this thread; bytes the receiver confirmed it dropped or the transport
+confirmed applied), so the blocks may go to another request at once. False: some bytes'
+fate is unknown (a connection died with bytes in flight), so the decode worker must not
+hand those blocks out before the KV lease of the failure model ends (the writer's deadline
+plus a grace period longer than any transport's worst case).
 
 How RDMA maps onto this one to one: ``register`` is ``ibv_reg_mr`` over the pool (the
 handle carries the remote address, the rkey as ``key`` and the rdma_cm ``host:port`` a peer
@@ -195,6 +198,15 @@ class TransferJob:
         self.outcome: Future[TransferResult] = Future()
         self.outcome.set_running_or_notify_cancel()  # only the owner ends it, never a cancel
         self._writer = writer
+        self._quiet = True  # set by the owner before it resolves the outcome
+
+    @property
+    def quiet(self) -> bool:
+        """Once the outcome is in: no byte of this job can land in the destination any more
+        (always True after a success). False after a failure whose bytes in flight may
+        still land: the destination's blocks wait out the KV lease. Read it only after the
+        outcome resolved."""
+        return self._quiet
 
     @property
     def state(self) -> JobState:

@@ -42,7 +42,7 @@ from transfer.tcp_frames import (
     split_frames,
 )
 from transfer.tcp_receiver import TcpReceiver, TcpRegion
-from transfer.writer import JobWork, OwnerThreadWriter, lowest_run
+from transfer.writer import Drop, JobWork, OwnerThreadWriter, lowest_run
 
 
 class TcpWork(JobWork):
@@ -150,7 +150,7 @@ class TcpWriter(OwnerThreadWriter):
             self._fail(work, error)
         conn.bound.clear()
         if waiting is not None and waiting.error is not None:
-            self._resolve(waiting)  # its half-sent frame will never finish now
+            self._resolve(waiting, quiet=False)  # its half-sent frame never finishes now
 
     # --- hooks ---------------------------------------------------------------------------
 
@@ -198,11 +198,13 @@ class TcpWriter(OwnerThreadWriter):
         work.conn.outbox.append(_Outgoing(work, [memoryview(end)], 0))
         self._flush(work.conn)
 
-    def _drop(self, work: JobWork) -> bool:
+    def _drop(self, work: JobWork) -> Drop:
         assert isinstance(work, TcpWork)
         conn = work.conn
-        if conn is None or conn.dead:
-            return False
+        if conn is None:
+            return Drop.QUIET  # nothing of it was framed
+        if conn.dead:
+            return Drop.UNKNOWN if work.bytes_moved else Drop.QUIET
         conn.bound.pop(work.tag, None)
         head = conn.outbox[0] if conn.outbox else None
         half_sent = head is not None and head.work is work and head.started
@@ -210,14 +212,17 @@ class TcpWriter(OwnerThreadWriter):
             # Out of time mid-frame (the receiver stopped reading): the stream cannot carry
             # other jobs any more.
             self._kill(conn, f"{work.job.request_id!r} timed out mid-frame")
-            return False
+            return Drop.UNKNOWN
         conn.outbox = deque(
             f for f in conn.outbox if f.work is not work or (f is head and half_sent)
         )
         if half_sent or work.bytes_moved:  # the receiver holds a partial count for it
             abort = Frame(FrameKind.ABORT, self._key, work.tag).encode()
             conn.outbox.append(_Outgoing(None, [memoryview(abort)], 0))
-        return half_sent
+        if half_sent:
+            return Drop.DRAINING
+        # Frames already sent may still be on their way into the receiver: unconfirmed.
+        return Drop.UNKNOWN if work.bytes_moved else Drop.QUIET
 
     def _has_ready_bytes(self) -> bool:
         conn = self._conn
@@ -251,7 +256,7 @@ class TcpWriter(OwnerThreadWriter):
             if work is not None:
                 work.bytes_moved += head.payload
                 if work.error is not None:
-                    self._resolve(work)  # its half-sent frame is out: it stopped moving
+                    self._resolve(work, quiet=False)  # its half-sent frame is out, unconfirmed
         if conn.blocked and not conn.dead:  # drained: stop waiting for room
             conn.blocked = False
             self._watch_conn(conn, selectors.EVENT_READ)

@@ -10,13 +10,16 @@ Lifecycle of one job, each stage a set the owner keeps: begun -> started (the tr
 checked its target, ``_start``) -> layers pending (written, not moved) -> moved -> ending
 (``finish`` came and every written layer moved: ``_end``) -> SUCCESS (the transport
 confirmed it: ``_succeed``), or FAILED at any point (``_fail``: deadline, abort, peer gone).
-A failed job's outcome resolves once the transport holds none of its bytes in motion
-(``_drop`` says if one frame must finish first; the transport then calls ``_resolve``).
+A failed job's outcome resolves once the transport holds none of its bytes in motion and
+knows whether any can still land (``_drop``: QUIET, UNKNOWN, or DRAINING until the
+transport calls ``_resolve``; a job still draining ``DRAIN_TIMEOUT_S`` later is given up:
+``_give_up``, then resolved not quiet).
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
 import queue
 import selectors
@@ -43,6 +46,17 @@ from transfer.plan import check_layer
 log = structlog.get_logger(__name__)
 
 _CLOSE_TIMEOUT_S = 5.0
+# How long a failed job may wait for its transport to confirm what became of its bytes in
+# flight (a receiver's answer to an abort) before it is resolved as not quiet.
+DRAIN_TIMEOUT_S = 2.0
+
+
+class Drop(enum.Enum):
+    """What dropping a failed job left behind (``OwnerThreadWriter._drop``)."""
+
+    QUIET = "quiet"  # no byte of it can land any more: resolve now, quiet
+    UNKNOWN = "unknown"  # bytes in flight whose fate nobody will learn: resolve now, not quiet
+    DRAINING = "draining"  # the transport resolves it once it knows (or it is given up)
 
 
 class Owned:
@@ -122,6 +136,7 @@ class OwnerThreadWriter(RegionWriter):
         self._closed = False  # set once, by close() or the owner on its way out
         self._asleep = False  # the owner waits for a wake-up
         self._works: dict[str, JobWork] = {}  # owner thread only; in begin order
+        self._draining: dict[JobWork, float] = {}  # failed, awaiting _resolve: give-up time
         self._stats = TransferStats()  # replaced whole by the owner; read by anyone
         self._thread = threading.Thread(
             target=self._run, name=f"kv-writer-{handle.region_id[:8]}", daemon=True
@@ -200,10 +215,14 @@ class OwnerThreadWriter(RegionWriter):
         """Every written layer of an ending job moved: confirm it (``_succeed``) now, or
         arrange for it before its deadline."""
 
-    def _drop(self, work: JobWork) -> bool:
-        """``work`` failed: forget its queued bytes. True if some are still in motion and
-        the transport will call ``_resolve(work)`` when they stopped."""
-        return False
+    def _drop(self, work: JobWork) -> Drop:
+        """``work`` failed: forget its queued bytes and say what is left in flight. The
+        writers whose copy is the delivery stop on this thread: nothing is."""
+        return Drop.QUIET
+
+    def _give_up(self, work: JobWork) -> None:
+        """``work`` drained for ``DRAIN_TIMEOUT_S`` without an answer: stop waiting for one
+        (a transport closes what it waited on); it is then resolved as not quiet."""
 
     def _has_ready_bytes(self) -> bool:
         """Whether the transport could move bytes now, without waiting for anything."""
@@ -283,10 +302,11 @@ class OwnerThreadWriter(RegionWriter):
         """0 with bytes to move now; else until the soonest deadline (None: none)."""
         if self._has_ready_bytes():
             return 0.0
-        if not self._works:
+        times = [w.job.deadline for w in self._works.values()]
+        times.extend(self._draining.values())
+        if not times:
             return None
-        soonest = min(w.job.deadline for w in self._works.values())
-        return max(0.0, soonest - time.monotonic())
+        return max(0.0, min(times) - time.monotonic())
 
     def _take_messages(self) -> None:
         while True:
@@ -372,6 +392,10 @@ class OwnerThreadWriter(RegionWriter):
         for work in list(self._works.values()):
             if now > work.job.deadline and not work.done:
                 self._fail(work, self._timeout(work))
+        for work, give_up_at in list(self._draining.items()):
+            if now > give_up_at:
+                self._give_up(work)
+                self._resolve(work, quiet=False)
 
     def _timeout(self, work: JobWork) -> TransferTimeout:
         written = work.written.bit_count()
@@ -409,16 +433,22 @@ class OwnerThreadWriter(RegionWriter):
         if not aborted:
             s = self._stats
             self._stats = TransferStats(s.bytes, s.seconds, s.jobs, s.failures + 1)
-        if not self._drop(work):
-            self._resolve(work)
+        left = self._drop(work)
+        if left is Drop.DRAINING:
+            self._draining[work] = time.monotonic() + DRAIN_TIMEOUT_S
+        else:
+            self._resolve(work, quiet=left is Drop.QUIET)
 
-    def _resolve(self, work: JobWork) -> None:
-        """A failed job's bytes stopped moving: count them, and let its outcome resolve."""
+    def _resolve(self, work: JobWork, *, quiet: bool = True) -> None:
+        """A failed job's bytes stopped moving (``quiet``: and none can land any more):
+        count them, and let its outcome resolve."""
         assert work.error is not None
+        self._draining.pop(work, None)
         if work.job.outcome.done():
             return
         s = self._stats
         self._stats = TransferStats(s.bytes + work.bytes_moved, s.seconds, s.jobs, s.failures)
+        work.job._quiet = quiet
         work.job.outcome.set_exception(work.error)
 
     def _forget(self, work: JobWork) -> None:
@@ -426,8 +456,13 @@ class OwnerThreadWriter(RegionWriter):
             del self._works[work.job.request_id]
 
     def _fail_all(self, error: TransferError) -> None:
+        """Fail every job; at the owner's exit also give up the ones still draining."""
         for work in list(self._works.values()):
             self._fail(work, error)
+        if self._closed:
+            for work in list(self._draining):
+                self._give_up(work)
+                self._resolve(work, quiet=False)
 
     def _watch(self, fileobj: object, events: int, callback: Callable[[int], None]) -> None:
         """Have the loop call ``callback(events)`` when ``fileobj`` is ready."""

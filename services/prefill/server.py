@@ -13,9 +13,10 @@ from this worker's own prefix cache or afresh: it never reads KV from the destin
 a prefix only the decode worker holds is computed here again, just not sent.
 
 KV fencing, the writer's half: an error reply carries the trailing metadata
-``pdserve-kv-fenced: 1`` only when this worker's writer is known to have stopped touching the
-destination (it never began, or its abort came back), so the reader may reuse its blocks at
-once; without it the reader waits out the KV lease (the deadline plus its grace).
+``pdserve-kv-fenced: 1`` only when no byte of the request can land in the destination any
+more (the writer never began, or its abort came back with the job quiet: see
+``TransferJob.quiet``), so the reader may reuse its blocks at once; without it the reader
+waits out the KV lease (the deadline plus its grace).
 """
 
 from __future__ import annotations
@@ -155,7 +156,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         budget = request.deadline_ms / 1000 if request.deadline_ms else DEFAULT_DEADLINE_S
         deadline = arrival + budget
         try:
-            writer = transport.connect(handle, self.sources[transport.source_on_device])
+            # Off the event loop: opening a path may dial the destination (a tcp connect),
+            # and one unreachable decode worker must not stall every other call here.
+            writer = await asyncio.to_thread(
+                transport.connect, handle, self.sources[transport.source_on_device]
+            )
         except IncompatibleLayoutError as e:
             await _refuse(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except TransferError as e:
@@ -191,11 +196,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 job.abort("cancelled: the caller went away")
             raise
         except Exception as e:
-            stopped = True
+            fenced = True
             if job is not None:
                 job.abort(f"failed: {type(e).__name__}")
-                stopped = await _stopped(job)
-            await self._fail(context, e, fenced=stopped)
+                fenced = await _stopped(job) and job.quiet
+            await self._fail(context, e, fenced=fenced)
         finally:
             # The source blocks are read by the transfer until its outcome is in; the
             # release waits for that, and the reply need not wait for the release (a
