@@ -49,7 +49,7 @@ from services.scheduler.model import Routing
 from services.scheduler.policy import LOCAL_PREFILL_MAX_TOKENS
 from services.supervisor import RestartPolicy, Supervisor
 
-TRANSPORTS = ("shm", "tcp")
+TRANSPORTS = ("shm", "tcp", "mooncake")
 SMOKE_QUESTION = "What is the capital of France?"
 
 
@@ -62,8 +62,8 @@ class UpConfig:
     decode: int = setting(1, "decode workers", metavar="N")
     transport: tuple[str, ...] = setting(
         ("shm",),
-        "KV data plane of the decode workers: shm or tcp, or a comma list given to them "
-        "round-robin (e.g. shm,tcp)",
+        "KV data plane of the decode workers: shm, tcp or mooncake, or a comma list given to "
+        "them round-robin (e.g. shm,tcp)",
     )
     kv_tcp_congestion: str | None = setting(
         None,
@@ -132,7 +132,9 @@ class UpConfig:
             raise ValueError("need at least one prefill and one decode worker")
         bad = sorted(set(self.transport) - set(TRANSPORTS))
         if bad or not self.transport:
-            raise ValueError(f"transport must name shm or tcp, got {list(self.transport)}")
+            raise ValueError(
+                f"transport must name shm, tcp or mooncake, got {list(self.transport)}"
+            )
 
     def control_cores(self, cores: Sequence[int]) -> frozenset[int] | None:
         """The cores of redis, the scheduler and the gateway on a machine with ``cores``."""
@@ -146,9 +148,12 @@ load_up_config = settings.loader(UpConfig, "up", "pdserve up", __doc__)
 
 def prefill_flags(cfg: UpConfig) -> list[str]:
     """The flags of ours every prefill worker is started with (beyond the common ones)."""
+    flags = []
+    if "mooncake" in cfg.transport:  # its engine starts only in workers that need it
+        flags += ["--transports", "shm,tcp,mooncake"]
     if cfg.kv_tcp_congestion:
-        return ["--kv-tcp-congestion", cfg.kv_tcp_congestion]
-    return []
+        flags += ["--kv-tcp-congestion", cfg.kv_tcp_congestion]
+    return flags
 
 
 def pin_plan(workers: list[str], cores: list[int], control: set[int] | None) -> dict[str, int]:

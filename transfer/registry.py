@@ -7,6 +7,7 @@ from typing import Any
 from transfer.base import Transport
 from transfer.cuda_ipc import CudaIpcTransport
 from transfer.errors import TransferError
+from transfer.mooncake import MooncakeTransport
 from transfer.shm import ShmTransport
 from transfer.tcp import TcpTransport
 
@@ -14,10 +15,12 @@ _TRANSPORTS: dict[str, type[Transport]] = {
     ShmTransport.name: ShmTransport,
     TcpTransport.name: TcpTransport,
     CudaIpcTransport.name: CudaIpcTransport,
+    MooncakeTransport.name: MooncakeTransport,
 }
-# Named in the design, not written yet: asking for one must fail loudly, never fall back.
+# RDMA is a protocol of the mooncake transport, not a transport of its own.
 _PLANNED = {
-    "rdma": "rdma transport not implemented yet",
+    "rdma": "RDMA runs through the mooncake transport: --kv-transport mooncake "
+    "(--mooncake-protocol rdma or auto)",
 }
 
 

@@ -1,8 +1,10 @@
-"""``WorkerArgs``: the settings every engine worker (prefill, decode) shares: where it
-serves, how it joins the scheduler, how it drains."""
+"""The settings every engine worker (prefill, decode) shares: ``WorkerArgs`` (where it
+serves, how it joins the scheduler, how it drains) and ``MooncakeArgs`` (how its Mooncake
+Transfer Engine moves KV, for the ``mooncake`` transport)."""
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 from services.common.config import LOG_LEVELS, log_level
@@ -39,3 +41,36 @@ class WorkerArgs:
             raise ValueError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+
+    @property
+    def reachable_host(self) -> str:
+        """The name peers dial: ``advertise_host``, else ``host`` unless that is a wildcard
+        (then this machine's name)."""
+        if self.advertise_host:
+            return self.advertise_host
+        return socket.getfqdn() if self.host in ("", "0.0.0.0", "::") else self.host
+
+
+MOONCAKE_PROTOCOLS = ("auto", "tcp", "rdma")
+
+
+@dataclass(frozen=True)
+class MooncakeArgs:
+    """The ``mooncake`` transport's settings (its Transfer Engine's protocol and devices)."""
+
+    mooncake_protocol: str = setting(
+        "auto",
+        "mooncake transport: rdma, tcp, or auto (rdma when this host has an RDMA device)",
+        choices=MOONCAKE_PROTOCOLS,
+    )
+    mooncake_devices: tuple[str, ...] = setting(
+        (), "mooncake transport: comma list of the RDMA devices it may use (default: all)"
+    )
+
+    def options(self, host: str) -> dict[str, object]:
+        """``MooncakeTransport``'s options for an engine peers reach at ``host``."""
+        return {
+            "host": host,
+            "protocol": self.mooncake_protocol,
+            "devices": self.mooncake_devices,
+        }

@@ -2,9 +2,10 @@
 
 Its KV pool is registered once with the chosen transport (``shm``: a POSIX shared-memory
 segment prefill workers on this host copy into, after removing segments whose owner died;
-``tcp``: a receiver other hosts write to). For each request it reserves blocks, has the
-prefill worker named in the request fill them, then streams tokens from its continuous
-batch. Its settings: ``services.decode.config``.
+``tcp``: a receiver other hosts write to; ``mooncake``: memory registered with Mooncake's
+Transfer Engine, which other hosts write into over RDMA or TCP). For each request it
+reserves blocks, has the prefill worker named in the request fill them, then streams tokens
+from its continuous batch. Its settings: ``services.decode.config``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ async def _main(cfg: DecodeConfig) -> None:
                 "port": cfg.kv_port,
                 "advertise_host": cfg.worker.advertise_host,
             }
+        elif cfg.transport == "mooncake":
+            opts = cfg.mooncake.options(cfg.worker.reachable_host)
         elif cfg.transport == "cuda_ipc" and cfg.engine.device.startswith("cuda"):
             opts = {"device": cfg.engine.device}  # the pool lives on the engine's GPU
         transport = get_transport(cfg.transport, **opts)

@@ -11,7 +11,7 @@ from services.common.engine_args import EngineArgs
 from services.common.fault_args import FaultArgs
 from services.common.settings import setting
 from services.common.tuning import Tuning
-from services.common.worker_args import WorkerArgs
+from services.common.worker_args import MooncakeArgs, WorkerArgs
 
 ABOUT = (
     "pdserve decode worker (--role colocated: prefills too): registers its KV pool with a "
@@ -19,7 +19,7 @@ ABOUT = (
     "streams tokens from its continuous batch."
 )
 ROLES = ("decode", "colocated")
-TRANSPORTS = ("shm", "tcp", "cuda_ipc")
+TRANSPORTS = ("shm", "tcp", "mooncake", "cuda_ipc")
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class DecodeConfig:
     prefill_deadline_s: float = setting(
         30.0, "deadline of a remote prefill, KV transfer included", metavar="SECONDS"
     )
+    mooncake: MooncakeArgs = field(default_factory=MooncakeArgs)
     cluster: ClusterAuthArgs = field(default_factory=ClusterAuthArgs)
     fault_args: FaultArgs = field(default_factory=FaultArgs)
     engine: EngineArgs = field(default_factory=EngineArgs)

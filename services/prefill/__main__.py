@@ -1,7 +1,8 @@
 """``python -m services.prefill``: a prefill worker.
 
 It computes prompts, writes their KV into decode workers' registered memory layer by layer
-(``shm`` on one host, ``tcp`` anywhere), and answers each ``Prefill`` with the first token.
+(``shm`` on one host, ``tcp`` or ``mooncake`` anywhere), and answers each ``Prefill`` with
+the first token.
 Its settings: ``services.prefill.config``.
 """
 

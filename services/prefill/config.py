@@ -12,11 +12,13 @@ from services.common.engine_args import EngineArgs
 from services.common.fault_args import FaultArgs
 from services.common.settings import setting
 from services.common.tuning import Tuning
-from services.common.worker_args import WorkerArgs
+from services.common.worker_args import MooncakeArgs, WorkerArgs
 
+TRANSPORTS = ("shm", "tcp", "mooncake", "cuda_ipc")
 ABOUT = (
     "pdserve prefill worker: computes prompts, writes their KV into decode workers' "
-    "registered memory layer by layer (shm on one host, tcp anywhere) and answers each "
+    "registered memory layer by layer (shm on one host, tcp or mooncake anywhere) and "
+    "answers each "
     "Prefill with the first token."
 )
 
@@ -27,7 +29,8 @@ class PrefillConfig:
 
     worker: WorkerArgs = field(default_factory=lambda: WorkerArgs(port=50061))
     transports: tuple[str, ...] = setting(
-        ("shm", "tcp"), "comma-separated transports this worker can write KV with"
+        ("shm", "tcp"),
+        "comma-separated transports this worker can write KV with (shm, tcp, mooncake, cuda_ipc)",
     )
     kv_tcp_congestion: str | None = setting(
         None,
@@ -37,6 +40,7 @@ class PrefillConfig:
         metavar="NAME",
     )
     prefill_token_budget: int = setting(4096, "most prompt tokens computed in one forward pass")
+    mooncake: MooncakeArgs = field(default_factory=MooncakeArgs)
     cluster: ClusterAuthArgs = field(default_factory=ClusterAuthArgs)
     fault_args: FaultArgs = field(default_factory=FaultArgs)
     engine: EngineArgs = field(default_factory=EngineArgs)
@@ -45,6 +49,9 @@ class PrefillConfig:
     def __post_init__(self) -> None:
         if not self.transports:
             raise ValueError("transports must name at least one transport")
+        unknown = sorted(set(self.transports) - set(TRANSPORTS))
+        if unknown:
+            raise ValueError(f"transports: unknown {unknown}; known: {', '.join(TRANSPORTS)}")
         if self.prefill_token_budget < 1:
             raise ValueError(f"prefill_token_budget must be >= 1, got {self.prefill_token_budget}")
 
@@ -52,6 +59,8 @@ class PrefillConfig:
         """The options this config gives transport ``name``."""
         if name == "tcp" and self.kv_tcp_congestion:
             return {"congestion": self.kv_tcp_congestion}
+        if name == "mooncake":
+            return self.mooncake.options(self.worker.reachable_host)
         return {}
 
 

@@ -87,8 +87,8 @@ def test_kv_tcp_congestion_flows_from_pdserve_up_to_the_prefill_workers_tcp_tran
     ("argv", "needle"),
     [
         (["--prefill", "0"], "need at least one prefill and one decode worker"),
-        (["--transport", "shm,rdma"], "transport must name shm or tcp"),
-        (["--transport", ""], "transport must name shm or tcp"),
+        (["--transport", "shm,rdma"], "transport must name shm, tcp or mooncake"),
+        (["--transport", ""], "transport must name shm, tcp or mooncake"),
         (["--control-cpus", "100000"], "argument --control-cpus"),
     ],
 )
@@ -152,3 +152,18 @@ def test_worker_memory_lines_come_from_their_ready_lines() -> None:
     assert _memory_line("READY decode 127.0.0.1:5000") == ""  # an older worker: no line
     ready += " kv_dtype=float16"
     assert _memory_line(ready) == "quantized weights 98.9 MiB, KV 511.9 MiB float16"
+
+
+def test_mooncake_flows_from_pdserve_up_to_both_kinds_of_worker() -> None:
+    cfg = load_up_config(["--transport", "shm,mooncake"], {})
+    flags = prefill_flags(cfg)
+    assert flags == ["--transports", "shm,tcp,mooncake"]
+    pre = prefill_config([*flags, "--mooncake-protocol", "tcp", "--host", "10.0.0.5"], {})
+    assert pre.transport_options("mooncake") == {
+        "host": "10.0.0.5",
+        "protocol": "tcp",
+        "devices": (),
+    }
+    assert prefill_flags(load_up_config([], {})) == []  # no engine where nothing uses it
+    with pytest.raises(SystemExit):
+        prefill_config(["--transports", "shm,rdma"], {})

@@ -51,6 +51,7 @@ def cluster():
         for name, args in (
             ("shm", ["--transport", "shm"]),
             ("tcp", ["--transport", "tcp"]),
+            ("mooncake", ["--transport", "mooncake", "--mooncake-protocol", "tcp"]),
         ):
             ports[name] = _free_port()
             procs[name] = start_service(
@@ -61,7 +62,7 @@ def cluster():
         ports["prefill"] = _free_port()
         procs["prefill"] = start_service(
             "services.prefill", "--port", "0", "--kv-cache-mib", KV_MIB,
-            "--metrics-port", str(ports["prefill"]),
+            "--metrics-port", str(ports["prefill"]), "--transports", "shm,tcp,mooncake",
         )  # fmt: skip
         yield procs, ports
     finally:
@@ -121,7 +122,7 @@ def expected(make_engine, prompts) -> list[list[int]]:
     return [r.token_ids for r in make_engine().generate(prompts, params)]
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "mooncake"])
 async def test_disaggregated_equals_colocated(cluster, prompts, expected, transport) -> None:
     procs, ports = cluster
     dec, pre = procs[transport], procs["prefill"]
@@ -336,7 +337,7 @@ def conversation(default_tokenizer, make_engine) -> tuple[list[int], list[int], 
     return turn1, answer, follow_up
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "mooncake"])
 async def test_a_second_turn_moves_only_the_blocks_the_decode_worker_lacks(
     cluster, conversation, make_engine, transport
 ) -> None:

@@ -91,10 +91,12 @@ def test_handle_from_non_mapping_is_rejected(garbage: object) -> None:
 
 
 def test_registry_names_known_and_planned_transports() -> None:
-    assert known_transports() == ("cuda_ipc", "shm", "tcp")
-    with pytest.raises(TransferError, match="rdma transport not implemented yet"):
+    assert known_transports() == ("cuda_ipc", "mooncake", "shm", "tcp")
+    with pytest.raises(TransferError, match="RDMA runs through the mooncake transport"):
         get_transport("rdma")
-    with pytest.raises(TransferError, match="unknown transport 'udp'; known: cuda_ipc, shm, tcp"):
+    with pytest.raises(
+        TransferError, match="unknown transport 'udp'; known: cuda_ipc, mooncake, shm, tcp"
+    ):
         get_transport("udp")
     with pytest.raises(TransferError, match="bad options for transport 'tcp'"):
         get_transport("tcp", colour="blue")
