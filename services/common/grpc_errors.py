@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from engine.errors import CapacityError, InvalidRequestError, ResourceExhaustedError
-from transfer.errors import TransferError, TransferTimeout
+from transfer.errors import IncompatibleLayoutError, TransferError, TransferTimeout
 
 # Trailing metadata between the workers and the gateway (docs/api.md, "Metadata keys").
 # On DecodeWorker.Generate's error when its Prefill failed: the prefill worker at fault.
@@ -24,6 +24,8 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, ResourceExhaustedError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, IncompatibleLayoutError):  # the two pools cannot exchange blocks
+        return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, TransferTimeout | TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED
     if isinstance(exc, TransferError):

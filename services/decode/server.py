@@ -13,42 +13,34 @@ prefilled here by the same engine: the scheduler alone decides local vs remote p
 A migrated request (``resume_token_ids``) has prompt + those tokens prefilled the same way
 and continues after them.
 
-KV fencing, the reader's half: reserved blocks whose prefill did not deliver are set aside
-(``AsyncEngine.fence``: the request id is free for another attempt) and reused only once
-their writer is known to have stopped: an error reply marked ``pdserve-kv-fenced``, a late
-reply of the call that a departed client left running, or else the KV lease (the prefill
-deadline plus ``LEASE_GRACE_S`` after the request was sent).
+The reservation, the Prefill call's outcome and the KV fence are ``KVReceiver``'s
+(``services/decode/kv_receiver.py``); this module converts protobuf at the edge.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 import structlog
 
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
+from engine.llm_engine import Reservation
 from engine.output_processor import RequestOutput
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common import cluster_auth, metrics
-from services.common.background import Background
 from services.common.convert import finish_to_proto, handle_to_proto, sampling_from_proto, usage
 from services.common.grpc_errors import FAILED_WORKER_KEY, abort_with, kv_fenced, status_for
+from services.decode.kv_receiver import KVReceiver, Prefilled, PrefillFailed
 from transfer.handle import MemoryRegionHandle
 
 log = structlog.get_logger(__name__)
 
 PREFILL_DEADLINE_S = 30.0
-# The writer stops at the deadline it counts from its receipt of the request; the lease ends
-# this long after the deadline counted from the send: the delay to receipt, and bytes already
-# in a socket buffer, land well within it.
-LEASE_GRACE_S = 2.0
 
 
 class UpstreamError(Exception):
@@ -78,16 +70,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.prefill_deadline_s = prefill_deadline_s
         self.worker_id = worker_id
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._fences = Background()
-        self._attempts = itertools.count()
+        self.receiver = KVReceiver(aengine, role=role, prefill_deadline_s=prefill_deadline_s)
         self.inflight = 0
         self.kv_bytes_received = 0
         metrics.PROMPT_TOKENS_CACHED.labels(role)  # exported at 0 from the start
         metrics.PROMPT_TOKENS_COMPUTED.labels(role)
         if region is not None:  # export the series at 0 before the first transfer
             metrics.TRANSFER_BYTES.labels(role, region.transport)
-            for how in ("confirmed", "lease"):
-                metrics.KV_FENCES.labels(role, how)
 
     def _prefill_stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
         ch = self._channels.get(address)
@@ -176,84 +165,54 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         resumed: list[int],
         params: SamplingParams,
     ) -> tuple[AsyncIterator[RequestOutput], int]:
-        assert self.region is not None
-        rid = request.request_id
-        reservation = await self.aengine.reserve(rid, ids, params, resumed)
-        metrics.PROMPT_TOKENS_CACHED.labels(self.role).inc(reservation.num_present_tokens)
+        region = self.region
+        assert region is not None
         stub = self._prefill_stub(request.prefill_address)
-        preq = worker_pb2.PrefillRequest(
-            request_id=rid,
-            prompt_token_ids=ids,
-            resume_token_ids=resumed,
-            sampling=request.sampling,
-            deadline_ms=int(self.prefill_deadline_s * 1000),
-            decode_worker_id=self.worker_id,
-            placement_token=request.placement_token,
-            kv_destination=worker_pb2.KVDestination(
-                region=handle_to_proto(self.region),
-                block_ids=reservation.block_ids,
-                num_present_tokens=reservation.num_present_tokens,
-            ),
-        )
-        lease_end = time.monotonic() + self.prefill_deadline_s + LEASE_GRACE_S
-        call = asyncio.ensure_future(stub.Prefill(preq, timeout=self.prefill_deadline_s))
+
+        async def ask(reservation: Reservation) -> Prefilled:
+            preq = worker_pb2.PrefillRequest(
+                request_id=request.request_id,
+                prompt_token_ids=ids,
+                resume_token_ids=resumed,
+                sampling=request.sampling,
+                deadline_ms=int(self.prefill_deadline_s * 1000),
+                decode_worker_id=self.worker_id,
+                placement_token=request.placement_token,
+                kv_destination=worker_pb2.KVDestination(
+                    region=handle_to_proto(region),
+                    block_ids=reservation.block_ids,
+                    num_present_tokens=reservation.num_present_tokens,
+                ),
+            )
+            try:
+                reply = await stub.Prefill(preq, timeout=self.prefill_deadline_s)
+            except grpc.aio.AioRpcError as e:
+                raise PrefillFailed(e, fenced=kv_fenced(e)) from e
+            return Prefilled(
+                reply.first_token_id,
+                reply.first_token_logprob,
+                reply.num_cached_tokens,  # usage: what the request did not compute
+                reply.kv_transfer_bytes,
+            )
+
         try:
-            # Shielded: a departed client does not cancel the prefill, whose reply is what
-            # tells when the blocks it writes are free again.
-            reply = await asyncio.shield(call)
-        except asyncio.CancelledError:
-            self._fence(rid, call, lease_end)
-            raise
-        except grpc.aio.AioRpcError as e:
-            if kv_fenced(e):
-                await self.aengine.release(rid)
-                metrics.KV_FENCES.labels(self.role, "confirmed").inc()
-            else:
-                self._fence(rid, call, lease_end)
+            stream, done = await self.receiver.receive(
+                request.request_id, ids, resumed, params, ask
+            )
+        except PrefillFailed as e:
+            call = e.cause
+            assert isinstance(call, grpc.aio.AioRpcError)
             raise UpstreamError(
-                e.code(), f"prefill failed: {e.details()}", request.prefill_worker_id
+                call.code(), f"prefill failed: {call.details()}", request.prefill_worker_id
             ) from e
-        except BaseException:
-            self._fence(rid, call, lease_end)
-            raise
-        self.kv_bytes_received += reply.kv_transfer_bytes
-        metrics.TRANSFER_BYTES.labels(self.role, self.region.transport).inc(reply.kv_transfer_bytes)
-        stream = self.aengine.join_prefilled(
-            rid,
-            reply.first_token_id,
-            reply.first_token_logprob,
-            num_cached_tokens=reply.num_cached_tokens,  # usage: what the request did not compute
-        )
-        return stream, reply.kv_transfer_bytes
+        self.kv_bytes_received += done.kv_bytes
+        metrics.TRANSFER_BYTES.labels(self.role, region.transport).inc(done.kv_bytes)
+        return stream, done.kv_bytes
 
     def _count_local_prefill(self, first: RequestOutput, num_tokens: int) -> None:
         """Count a prompt (+ resumed tokens) prefilled here, by its first event."""
         metrics.PROMPT_TOKENS_CACHED.labels(self.role).inc(first.num_cached_tokens)
         metrics.PROMPT_TOKENS_COMPUTED.labels(self.role).inc(num_tokens - first.num_cached_tokens)
-
-    def _fence(self, rid: str, call: asyncio.Future[Any], lease_end: float) -> None:
-        """Set the reservation aside now (the id is free for another attempt) and release
-        its blocks once the prefill call says its writer stopped, or at ``lease_end``."""
-        fenced = self.aengine.fence(rid, f"fenced-{next(self._attempts)}")
-
-        async def release() -> None:
-            key = await asyncio.wrap_future(fenced)
-            how = "lease"
-            try:
-                await asyncio.wait_for(asyncio.shield(call), max(0.0, lease_end - time.monotonic()))
-                how = "confirmed"  # it delivered after all, into blocks nobody reads
-            except grpc.aio.AioRpcError as e:
-                if kv_fenced(e):
-                    how = "confirmed"
-            except (TimeoutError, asyncio.CancelledError):
-                pass
-            if how == "lease":
-                await asyncio.sleep(max(0.0, lease_end - time.monotonic()))
-            await self.aengine.release(key)
-            metrics.KV_FENCES.labels(self.role, how).inc()
-            log.info("kv_fence_released", request_id=rid, how=how)
-
-        self._fences.spawn(release())
 
     def _event(self, out: RequestOutput, kv_bytes: int, prefill_id: str) -> worker_pb2.DecodeEvent:
         ev = worker_pb2.DecodeEvent(
