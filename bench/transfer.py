@@ -1,14 +1,16 @@
-"""KV transfer benchmark: the shm and tcp data planes beside raw memcpy and a raw socket, and
-the per-token latency the serving hop adds over the in-process engine.
+"""KV transfer benchmark: the shm, tcp and mooncake data planes beside raw memcpy and a raw
+socket, and the per-token latency the serving hop adds over the in-process engine.
 
 Transfer (one request's KV in SmolLM2-135M's real layout: 30 layers, 3 KV heads, head dim 64,
-float32, 16-token blocks; 46,080 bytes a token). Three peer processes are spawned and stay up
-for the whole run: an ``shm`` target and a ``tcp`` target (each registers a region, like a
-decode worker) and a raw socket sink. This process holds the source pool. For each size, the
-request's source blocks are consecutive (a fresh allocation on a prefill worker) and its
-destination blocks come in runs of 1 to 16 at scattered places (a decode pool fragmented by
-churn), so each layer is ``2 x runs`` byte ranges. Every repeat runs each of these once, in
-an order shuffled every round (a fixed order can phase-lock with a periodic disturbance):
+float32, 16-token blocks; 46,080 bytes a token). Four peer processes are spawned and stay up
+for the whole run: an ``shm``, a ``tcp`` and a ``mooncake`` target (each registers a region,
+like a decode worker; mooncake's with protocol ``tcp``) and a raw socket sink. Without
+Mooncake's Transfer Engine installed the mooncake method is skipped and the reason printed.
+This process holds the source pool. For each size, the request's source blocks are
+consecutive (a fresh allocation on a prefill worker) and its destination blocks come in runs
+of 1 to 16 at scattered places (a decode pool fragmented by churn), so each layer is
+``2 x runs`` byte ranges. Every repeat runs each of these once, in an order shuffled every
+round (a fixed order can phase-lock with a periodic disturbance):
 
 - ``memcpy bulk``: one memcpy of the request's byte volume between two buffers here;
 - ``memcpy``: one memcpy per range a transport moves, between two buffers here (the
@@ -16,30 +18,36 @@ an order shuffled every round (a fixed order can phase-lock with a periodic dist
   cheapest per-call way Python has to run libc's memcpy (docs/benchmarks.md compares it with
   ctypes.memmove and torch ``copy_``), so the ratio is the transport's own overhead on top
   of the copies themselves;
-- ``shm`` / ``tcp``: ``begin`` (which plans the block runs once) -> ``write_layer`` for all
-  30 layers -> ``finish``, timed from ``begin`` to the outcome in hand (the writer's owner
-  thread moves the bytes and resolves it); ``wait`` is ``TransferResult.wait_seconds``,
-  from ``finish`` to the confirmation;
+- ``shm`` / ``tcp`` / ``mooncake``: ``begin`` (which plans the block runs once) ->
+  ``write_layer`` for all 30 layers -> ``finish``, timed from ``begin`` to the outcome in
+  hand (the writer's owner thread moves the bytes, or submits mooncake's writes, and
+  resolves it); ``wait`` is ``TransferResult.wait_seconds``, from ``finish`` to the
+  confirmation;
 - ``socket``: a plain blocking TCP loopback socket: a 16-byte header, then one ``sendall`` per
   range (the same chunking), the sink ``recv_into``s a preallocated buffer and acknowledges;
   timed to the acknowledgement (the reference ``tcp`` is judged against).
 
 Every method's bytes are checked after its timed repeats (per-block sums at the destination
 equal the source's). Torch runs one thread in every process: each method copies on one core.
-With 2+ cores this process runs on the first and the three peers on the second
-(``--no-transfer-pin`` leaves them floating): the socket sender and its sink, and the tcp
-writer and its receiver, never take turns on one core (on 2 cores that made the small
-sizes' medians swing from run to run).
+With 2+ cores this process (with its Transfer Engine's threads) runs on the first and the
+four peers on the second (``--no-transfer-pin`` leaves them floating): the socket sender and
+its sink, and a transport's writer and its receiver, never take turns on one core (on 2
+cores that made the small sizes' medians swing from run to run).
 The raw socket and the tcp transport's connection send with the same TCP congestion control,
 ``--tcp-congestion`` (default ``reno``; ``system``: the host's default, ``bbr`` here). With
 BBR both pace, and on loopback the transport's ~1 MiB sends then arrive out of order often
 enough to trigger fast retransmits (docs/benchmarks.md has the counters and both settings).
+Mooncake's connections set none: they send with the host's default.
 A size's rounds (``--repeats``) come in ``--passes`` visits (default 5), the sizes taking
 turns, each visit after one untimed call of every method: a disturbance lasting a second or
 two, longer than all of a small size's rounds take, then lands in one visit's share of any
 size's samples (and in its P99), not in all of them (and its median).
 Throughput is bytes / median latency. Targets: shm >= 80% of memcpy, tcp >= 70% of the raw
-socket, at every size.
+socket, at every size. Issue 35's rule for retiring tcp: mooncake over TCP at >= 80% of tcp's
+throughput at every size from 512 tokens, and the fence holding (a failed job is quiet only
+when no write of it can still land; tests/transfer/test_mooncake.py checks that, this does
+not); otherwise both stay. The throughput table gives mooncake / tcp per size, and a verdict
+line follows it.
 
 Hop (the gateway -> decode path against the in-process engine): the same greedy request
 (random prompt, ``ignore_eos``, ``--hop-tokens`` tokens) streamed (a) from an
@@ -103,6 +111,8 @@ from transfer import (
     KVLayout,
     KVSource,
     MemoryRegionHandle,
+    TransferError,
+    Transport,
     get_transport,
     plan_blocks,
 )
@@ -121,6 +131,10 @@ BYTES_PER_TOKEN = 2 * NUM_LAYERS * NUM_KV_HEADS * HEAD_DIM * 4
 SHM_TARGET = 0.80  # shm throughput / memcpy (same ranges)
 TCP_TARGET = 0.70  # tcp throughput / raw loopback socket (same chunking)
 HOP_TARGET_MS = 2.0  # P99 per-token delay the serving path adds (worker stamp -> client)
+# Issue 35: tcp may retire once mooncake (protocol tcp) reaches this share of tcp's throughput
+# at every size from MOONCAKE_FROM_TOKENS tokens (and the fence holds: not measured here).
+MOONCAKE_KEEP = 0.80
+MOONCAKE_FROM_TOKENS = 512
 
 MAX_RUN_BLOCKS = 16  # destination runs are 1..16 blocks long
 DEADLINE_S = 60.0
@@ -129,7 +143,15 @@ HOP_PROMPT_TOKENS = 32
 PEER_START_S = 120.0
 SERVICE_START_S = 240.0
 
-METHODS = ("memcpy_bulk", "memcpy", "shm", "socket", "tcp")
+METHODS = ("memcpy_bulk", "memcpy", "shm", "socket", "tcp", "mooncake")
+# Methods whose target process registers a region, and the options each side builds its
+# transport with (the initiator's tcp also gets --tcp-congestion).
+REGION_METHODS = ("shm", "tcp", "mooncake")
+TRANSPORT_OPTS: dict[str, dict[str, Any]] = {
+    "shm": {},
+    "tcp": {},
+    "mooncake": {"protocol": "tcp"},
+}
 
 DECODE_PATH = "decode worker gRPC"
 WHOLE_PIN_PATH = "decode worker gRPC, whole process on the engine core"
@@ -288,6 +310,29 @@ def added(path: Summary, base: Summary) -> tuple[float, float]:
     return path.p50 - base.p50, path.p99 - base.p99
 
 
+def tcp_retirement(
+    ratios: Sequence[tuple[int, float | None]], skipped: str | None = None
+) -> tuple[bool | None, str]:
+    """Issue 35's rule on one run's ``(tokens, mooncake / tcp throughput)`` per size:
+    ``(True, line)`` when mooncake reaches ``MOONCAKE_KEEP`` at every size from
+    ``MOONCAKE_FROM_TOKENS`` (tcp may go if the fence holds too), ``(False, line)`` when it
+    misses at one of them (both stay), ``(None, line)`` when the run cannot tell (mooncake
+    ``skipped`` for that reason, or no size from ``MOONCAKE_FROM_TOKENS``)."""
+    rule = f"mooncake ≥ {MOONCAKE_KEEP:.2f}× tcp at every size from {MOONCAKE_FROM_TOKENS} tokens"
+    if skipped is not None:
+        return None, f"{rule}: no verdict, mooncake did not run ({skipped})"
+    judged = [(t, r) for t, r in ratios if t >= MOONCAKE_FROM_TOKENS and r is not None]
+    if not judged:
+        return None, f"{rule}: no verdict, this run has no such size (--sizes)"
+    tokens, low = min(judged, key=lambda tr: tr[1])
+    if low >= MOONCAKE_KEEP:
+        return True, (
+            f"{rule}: yes (lowest {low:.2f}× at {tokens}): tcp can go if the fence holds "
+            "too (tests/transfer/test_mooncake.py; not measured here)"
+        )
+    return False, f"{rule}: no ({low:.2f}× at {tokens}): tcp stays beside mooncake"
+
+
 # -- results -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MethodResult:
@@ -324,6 +369,13 @@ class SizeResult:
     def tcp_ratio(self) -> float | None:
         return ratio(self.gb_per_s("tcp"), self.gb_per_s("socket"))
 
+    @property
+    def mooncake_ratio(self) -> float | None:
+        """mooncake's throughput / tcp's; ``None`` when mooncake did not run."""
+        if "mooncake" not in self.methods:
+            return None
+        return ratio(self.gb_per_s("mooncake"), self.gb_per_s("tcp"))
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "tokens": self.tokens,
@@ -334,6 +386,7 @@ class SizeResult:
             "methods": {},
             "shm_vs_memcpy": self.shm_ratio,
             "tcp_vs_socket": self.tcp_ratio,
+            "mooncake_vs_tcp": self.mooncake_ratio,
             "shm_passed": self.shm_ratio is not None and self.shm_ratio >= SHM_TARGET,
             "tcp_passed": self.tcp_ratio is not None and self.tcp_ratio >= TCP_TARGET,
         }
@@ -429,10 +482,20 @@ def _verdict(passed: bool) -> str:
     return "pass" if passed else "FAIL"
 
 
+def _mooncake_cell(tokens: int, share: float | None) -> str:
+    """mooncake ÷ tcp, with the retirement rule's comparison where it is judged."""
+    if share is None:
+        return "—"
+    if tokens < MOONCAKE_FROM_TOKENS:
+        return f"{share:.2f}"
+    return f"{share:.2f} {'≥' if share >= MOONCAKE_KEEP else '<'} {MOONCAKE_KEEP:.2f}"
+
+
 def throughput_table(results: Sequence[SizeResult]) -> str:
+    """GB/s per method and size (``—`` for a method that did not run) and the ratios judged."""
     header = (
         "tokens", "KV MiB", "ranges", "memcpy bulk", "memcpy", "shm", "shm ÷ memcpy",
-        "socket", "tcp", "tcp ÷ socket",
+        "socket", "tcp", "tcp ÷ socket", "mooncake", "mooncake ÷ tcp",
     )  # fmt: skip
     rows = []
     for r in results:
@@ -446,6 +509,8 @@ def throughput_table(results: Sequence[SizeResult]) -> str:
                 "—" if shm is None else f"{shm:.2f} {_verdict(shm >= SHM_TARGET)}",
                 *(f"{r.gb_per_s(m):.2f}" for m in ("socket", "tcp")),
                 "—" if tcp is None else f"{tcp:.2f} {_verdict(tcp >= TCP_TARGET)}",
+                f"{r.gb_per_s('mooncake'):.2f}" if "mooncake" in r.methods else "—",
+                _mooncake_cell(r.tokens, r.mooncake_ratio),
             )
         )
     return markdown_table(header, rows)
@@ -455,24 +520,26 @@ def latency_table(results: Sequence[SizeResult]) -> str:
     def ms(summary: Summary) -> str:
         return f"{summary.p50 * 1e3:.2f} / {summary.p99 * 1e3:.2f}"
 
+    def transport(res: MethodResult | None) -> tuple[str, str]:  # latency, finish wait
+        if res is None:
+            return "—", "—"
+        return ms(res.latency), ms(Summary.of(res.wait_s or (0.0,)))
+
     header = (
         "tokens", "memcpy", "shm", "shm finish wait", "socket", "tcp", "tcp finish wait",
-        "planning",
+        "mooncake", "mooncake finish wait", "planning",
     )  # fmt: skip
     rows = []
     for r in results:
         m = r.methods
-        shm_wait = Summary.of(m["shm"].wait_s or (0.0,))
-        tcp_wait = Summary.of(m["tcp"].wait_s or (0.0,))
         rows.append(
             (
                 str(r.tokens),
                 ms(m["memcpy"].latency),
-                ms(m["shm"].latency),
-                ms(shm_wait),
+                *transport(m["shm"]),
                 ms(m["socket"].latency),
-                ms(m["tcp"].latency),
-                ms(tcp_wait),
+                *transport(m["tcp"]),
+                *transport(m.get("mooncake")),
                 f"{r.plan_s * 1e3:.2f}",
             )
         )
@@ -548,7 +615,7 @@ def _region_peer(
         os.sched_setaffinity(0, cpus)
     torch.set_num_threads(1)
     lay = KVLayout.from_dict(layout)
-    with get_transport(transport) as tp:
+    with get_transport(transport, **TRANSPORT_OPTS[transport]) as tp:
         region = tp.register(lay)
         region.tensor.zero_()  # touch every page now, not in the first timed write
         conn.send(region.handle.to_dict())
@@ -631,7 +698,10 @@ def _log(message: str) -> None:
 
 
 class TransferBench:
-    """Holds the source pool, the local memcpy destination and the three peers."""
+    """Holds the source pool, the local memcpy destination, the peers and the writers.
+
+    ``skipped``: the methods that cannot run here, with the reason (mooncake without its
+    package)."""
 
     def __init__(self, cfg: BenchConfig, peer_cpus: set[int] | None = None) -> None:
         self.cfg = cfg
@@ -643,18 +713,27 @@ class TransferBench:
         self.source = KVSource(self.src, self.src_layout)
         self.local_dst = torch.zeros(self.dst_layout.total_bytes, dtype=torch.uint8)
         max_bytes = biggest * 2 * NUM_LAYERS * self.src_layout.block_bytes
+        self.skipped: dict[str, str] = {}
+        self.transports: dict[str, Transport] = {}
+        try:  # Mooncake's Transfer Engine is an optional package
+            self.transports["mooncake"] = get_transport("mooncake", **TRANSPORT_OPTS["mooncake"])
+        except TransferError as e:
+            self.skipped["mooncake"] = str(e)
+            _log(f"mooncake skipped: {e}")
+        regions = [name for name in REGION_METHODS if name not in self.skipped]
         peers = {
-            "shm": Peer(_region_peer, peer_cpus, "shm", self.dst_layout.to_dict()),
-            "tcp": Peer(_region_peer, peer_cpus, "tcp", self.dst_layout.to_dict()),
-            "socket": Peer(_socket_peer, peer_cpus, max_bytes),
+            name: Peer(_region_peer, peer_cpus, name, self.dst_layout.to_dict()) for name in regions
         }
+        peers["socket"] = Peer(_socket_peer, peer_cpus, max_bytes)
         self.peers = peers
         self.writers = {}
-        self.transports = {}
-        for name in ("shm", "tcp"):
+        for name in regions:
             handle = MemoryRegionHandle.from_dict(peers[name].recv(PEER_START_S))
-            opts = {"congestion": cfg.tcp_congestion} if name == "tcp" else {}
-            self.transports[name] = get_transport(name, **opts)
+            if name not in self.transports:
+                opts = dict(TRANSPORT_OPTS[name])
+                if name == "tcp":
+                    opts["congestion"] = cfg.tcp_congestion
+                self.transports[name] = get_transport(name, **opts)
             self.writers[name] = self.transports[name].connect(handle, self.source)
         port = peers["socket"].recv(PEER_START_S)
         self.sock = socket.create_connection(("127.0.0.1", port))
@@ -670,7 +749,7 @@ class TransferBench:
         self.sock.close()
         for tp in self.transports.values():
             tp.close()
-        for name in ("shm", "tcp"):
+        for name in self.writers:
             self.peers[name].ask(("close",))
         for peer in self.peers.values():
             peer.stop()
@@ -739,10 +818,11 @@ class TransferBench:
         runs: dict[str, Callable[[], tuple[float, float | None]]] = {
             "memcpy_bulk": lambda: (self._memcpy_bulk(nbytes), None),
             "memcpy": lambda: (self._memcpy(ranges), None),
-            "shm": lambda: self._transport("shm", src_ids, dst_ids),
             "socket": lambda: (self._socket(ranges, nbytes, want_sum=False)[0], None),
-            "tcp": lambda: self._transport("tcp", src_ids, dst_ids),
         }
+        for name in self.writers:
+            runs[name] = lambda name=name: self._transport(name, src_ids, dst_ids)
+        runs = {m: runs[m] for m in METHODS if m in runs}  # the table's order
         return SizeRun(self, tokens, nblocks, src_ids, dst_ids, ranges, nbytes, plan_s, runs)
 
 
@@ -765,8 +845,8 @@ class SizeRun:
         self.bench, self.tokens, self.nblocks = bench, tokens, nblocks
         self.src_ids, self.dst_ids, self.ranges = src_ids, dst_ids, ranges
         self.nbytes, self.plan_s, self.runs = nbytes, plan_s, runs
-        self.seconds: dict[str, list[float]] = {m: [] for m in METHODS}
-        self.waits: dict[str, list[float]] = {m: [] for m in METHODS}
+        self.seconds: dict[str, list[float]] = {m: [] for m in runs}
+        self.waits: dict[str, list[float]] = {m: [] for m in runs}
         # Every method once a round, so drift in machine load hits every method alike; in a
         # fresh order each round, so a disturbance that recurs with a period near a round's
         # length cannot stay on one method's slot for many rounds in a row.
@@ -796,10 +876,10 @@ class SizeRun:
         socket_sum = bench._socket(ranges, nbytes, want_sum=True)[1]
         verified = {
             "memcpy": block_sums(bench.local_dst, bench.dst_layout, dst_ids) == want,
-            "shm": bench.peers["shm"].ask(("sums", dst_ids)) == want,
             "socket": socket_sum == sum(want),
-            "tcp": bench.peers["tcp"].ask(("sums", dst_ids)) == want,
         }
+        for name in bench.writers:
+            verified[name] = bench.peers[name].ask(("sums", dst_ids)) == want
         bench._memcpy_bulk(nbytes)
         verified["memcpy_bulk"] = bool(bench.local_dst[:nbytes].equal(bench.src[:nbytes]))
         failed = [m for m, ok in verified.items() if not ok]
@@ -813,7 +893,7 @@ class SizeRun:
             plan_s=self.plan_s,
             methods={
                 m: MethodResult(tuple(self.seconds[m]), tuple(self.waits[m]) or None, verified[m])
-                for m in METHODS
+                for m in self.runs
             },
         )
 
@@ -831,7 +911,7 @@ def split_cores(pin: bool) -> tuple[set[int] | None, set[int] | None]:
     """(first core, second core) to keep two sides apart: with ``pin`` and 2+ cores, the
     first and the second core this process may use; otherwise ``(None, None)``, nothing
     pinned. The transfer part puts this process (the initiator: the source pool, the
-    writers' threads, the memcpys) on the first and the three targets on the second, as a
+    writers' threads, the memcpys) on the first and the targets on the second, as a
     prefill and a decode worker get cores of their own (``pdserve up --pin``); the hop part
     puts this client, the gateway and the control plane on the first and every engine on
     the second (the layout ``pdserve up --pin --control-cpus`` gives)."""
@@ -841,7 +921,8 @@ def split_cores(pin: bool) -> tuple[set[int] | None, set[int] | None]:
     return {cores[0]}, {cores[1]}
 
 
-def run_transfer(cfg: BenchConfig) -> list[SizeResult]:
+def run_transfer(cfg: BenchConfig) -> tuple[list[SizeResult], dict[str, str]]:
+    """Every size's results, and the methods skipped here with the reason."""
     torch.set_num_threads(1)
     initiator, target = split_cores(cfg.transfer_pin)
     with pinned(initiator):  # the writers' threads start inside: they inherit it
@@ -858,11 +939,11 @@ def run_transfer(cfg: BenchConfig) -> list[SizeResult]:
                     run.run_rounds(count)
                     if i == len(shares) - 1:  # checked before another size's writes land
                         res = run.result()
-                        rates = ", ".join(f"{m} {res.gb_per_s(m):.2f} GB/s" for m in METHODS)
+                        rates = ", ".join(f"{m} {res.gb_per_s(m):.2f} GB/s" for m in res.methods)
                         _log(f"{res.tokens} tokens: {rates}")
                         results.append(res)
                 _log(f"pass {i + 1}/{len(shares)} done")
-            return results
+            return results, bench.skipped
         finally:
             bench.close()
 
@@ -1149,8 +1230,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench.transfer",
-        description="KV transfer (shm, tcp) beside memcpy and a raw socket, and the per-token "
-        "latency of the serving hop over the in-process engine.",
+        description="KV transfer (shm, tcp, mooncake) beside memcpy and a raw socket, and the "
+        "per-token latency of the serving hop over the in-process engine.",
     )
     p.add_argument(
         "--sizes", type=int, nargs="+", help="request sizes in tokens (default: 128 … 4096)"
@@ -1183,7 +1264,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-transfer-pin",
         action="store_true",
         help="transfer: leave every process unpinned (default with 2+ cores: this process on "
-        "the first core, the shm, tcp and socket targets on the second)",
+        "the first core, the shm, tcp, mooncake and socket targets on the second)",
     )
     p.add_argument(
         "--tcp-congestion",
@@ -1238,7 +1319,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     load_before = load_average()
     t0 = time.perf_counter()
-    sizes = run_transfer(cfg)
+    sizes, skipped = run_transfer(cfg)
+    retire, verdict = tcp_retirement(
+        [(r.tokens, r.mooncake_ratio) for r in sizes], skipped.get("mooncake")
+    )
     load_mid = load_average()
     hop = run_hop(cfg) if cfg.hop else None
     load_after = load_average()
@@ -1259,9 +1343,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     congestion = cfg.tcp_congestion or "the system's"
     print(f"Throughput, GB/s at the median latency ({cfg.repeats} repeats in {cfg.passes} "
           f"passes, {placement}, "
-          f"{congestion} congestion control on both TCP paths; "
+          f"{congestion} congestion control on the socket and tcp, the host's on mooncake's "
+          f"own connections (protocol tcp); "
           f"targets: shm ≥ {SHM_TARGET:.2f}× memcpy, tcp ≥ {TCP_TARGET:.2f}× socket):")  # fmt: skip
     print(throughput_table(sizes))
+    print(f"Retiring tcp (issue 35): {verdict}")
     print()
     print("Per-request latency, ms P50 / P99:")
     print(latency_table(sizes))
@@ -1292,7 +1378,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "shm_vs_memcpy": SHM_TARGET,
                     "tcp_vs_socket": TCP_TARGET,
                     "hop_added_p99_ms": HOP_TARGET_MS,
+                    "mooncake_vs_tcp": MOONCAKE_KEEP,
+                    "mooncake_from_tokens": MOONCAKE_FROM_TOKENS,
                 },
+                "skipped": skipped,
+                "tcp_retirement": {"retire": retire, "verdict": verdict},
                 "transfer": [r.to_json() for r in sizes],
                 "hop": None if hop is None else hop.to_json(),
             },

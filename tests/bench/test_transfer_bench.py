@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import math
@@ -13,6 +14,8 @@ import pytest
 
 from bench.transfer import (
     BYTES_PER_TOKEN,
+    MOONCAKE_FROM_TOKENS,
+    MOONCAKE_KEEP,
     HopPath,
     HopResult,
     MethodResult,
@@ -21,6 +24,7 @@ from bench.transfer import (
     added,
     config_from_args,
     hop_table,
+    latency_table,
     main,
     parse_args,
     pass_rounds,
@@ -28,6 +32,7 @@ from bench.transfer import (
     request_block_ids,
     shuffled_rounds,
     split_cores,
+    tcp_retirement,
     throughput_table,
 )
 
@@ -110,34 +115,80 @@ def test_summary_and_added_latency() -> None:
         Summary.of([])
 
 
-def _method(seconds: float) -> MethodResult:
-    return MethodResult((seconds, seconds, 2 * seconds), None, True)
+def _method(seconds: float, wait: float | None = None) -> MethodResult:
+    waits = None if wait is None else (wait, wait, 2 * wait)
+    return MethodResult((seconds, seconds, 2 * seconds), waits, True)
+
+
+def _size(tokens: int, mooncake_s: float | None = None) -> SizeResult:
+    """A size whose tcp takes 8 ms and mooncake ``mooncake_s`` (absent: not run)."""
+    methods = {
+        "memcpy_bulk": _method(0.001),
+        "memcpy": _method(0.002),
+        "shm": _method(0.0024, 0.002),  # 0.83 of memcpy: above the 0.80 target
+        "socket": _method(0.004),
+        "tcp": _method(0.008, 0.007),  # 0.50 of the socket
+    }
+    if mooncake_s is not None:
+        methods["mooncake"] = _method(mooncake_s, mooncake_s - 0.0005)
+    return SizeResult(
+        tokens=tokens,
+        nbytes=tokens * BYTES_PER_TOKEN,
+        blocks=-(-tokens // 16),
+        ranges=120,
+        plan_s=0.001,
+        methods=methods,
+    )
 
 
 def test_size_result_ratios_and_verdicts() -> None:
-    tokens = 256
-    nbytes = tokens * BYTES_PER_TOKEN  # 11,796,480 bytes
-    res = SizeResult(
-        tokens=tokens,
-        nbytes=nbytes,
-        blocks=16,
-        ranges=120,
-        plan_s=0.001,
-        methods={
-            "memcpy_bulk": _method(0.001),
-            "memcpy": _method(0.002),
-            "shm": _method(0.0024),  # 0.83 of memcpy: above the 0.80 target
-            "socket": _method(0.004),
-            "tcp": _method(0.008),  # 0.50 of the socket
-        },
-    )
+    res = _size(256, mooncake_s=0.016)  # mooncake: half tcp's throughput
+    nbytes = 256 * BYTES_PER_TOKEN  # 11,796,480 bytes
     assert res.gb_per_s("memcpy") == pytest.approx(nbytes / 0.002 / 1e9)
     assert res.shm_ratio == pytest.approx(0.002 / 0.0024)
     assert res.tcp_ratio == pytest.approx(0.5)
+    assert res.mooncake_ratio == pytest.approx(0.5)
     out = res.to_json()
     assert out["shm_passed"] is True and out["tcp_passed"] is False
+    assert out["mooncake_vs_tcp"] == pytest.approx(0.5)
+    assert out["methods"]["mooncake"]["wait_p50_s"] == pytest.approx(0.0155)
     row = throughput_table([res]).splitlines()[-1]
     assert "0.83 pass" in row and "0.50 FAIL" in row
+    # below 512 tokens the rule does not judge: the ratio stands alone
+    assert row.endswith(f"| {res.gb_per_s('mooncake'):.2f} | 0.50 |")
+
+
+def test_mooncake_columns_compare_with_tcp_from_512_tokens_or_show_a_dash() -> None:
+    at_512 = _size(512, mooncake_s=0.008 / 0.9)  # 0.90 of tcp
+    at_1024 = _size(1024, mooncake_s=0.008 / 0.7)  # 0.70 of tcp
+    missing = _size(2048)  # mooncake did not run
+    assert missing.mooncake_ratio is None and missing.to_json()["mooncake_vs_tcp"] is None
+    rows = throughput_table([at_512, at_1024, missing]).splitlines()[2:]
+    assert rows[0].endswith("| 0.90 ≥ 0.80 |")
+    assert rows[1].endswith("| 0.70 < 0.80 |")
+    assert rows[2].endswith("| — | — |")
+    lat = latency_table([at_512, missing]).splitlines()[2:]
+    # mooncake's P50 / P99 (of 1, 1, 2 × its time) and its finish wait, then planning
+    p50, p99 = 0.008 / 0.9 * 1e3, 0.008 / 0.9 * 1e3 * 1.98
+    assert f"| {p50:.2f} / {p99:.2f} |" in lat[0]
+    assert lat[1].endswith("| — | — | 1.00 |")
+
+
+def test_tcp_retires_only_if_mooncake_keeps_up_at_every_size_from_512_tokens() -> None:
+    low = MOONCAKE_KEEP - 0.01
+    small = MOONCAKE_FROM_TOKENS // 2
+    # a slow small size does not count; the large ones all reach the share
+    retire, line = tcp_retirement([(small, 0.1), (512, MOONCAKE_KEEP), (4096, 1.3)])
+    assert retire is True
+    assert f"lowest {MOONCAKE_KEEP:.2f}× at 512" in line and "fence" in line
+    # one large size under the share keeps tcp, and the line names it
+    retire, line = tcp_retirement([(512, 0.95), (2048, low), (4096, 0.9)])
+    assert retire is False and f"{low:.2f}× at 2048" in line and "tcp stays" in line
+    # nothing to judge: no size from 512 tokens, or mooncake not run (the reason is given)
+    assert tcp_retirement([(small, 2.0)])[0] is None
+    assert tcp_retirement([(1024, None)])[0] is None
+    retire, line = tcp_retirement([(1024, 2.0)], skipped="pip install it")
+    assert retire is None and "did not run (pip install it)" in line
 
 
 def test_hop_table_judges_the_measured_delivery_delay() -> None:
@@ -213,24 +264,50 @@ def _run(tmp_path: Path, *args: str, timeout: float) -> dict:
     return json.loads(out.read_text())
 
 
+HAS_MOONCAKE = importlib.util.find_spec("mooncake") is not None
+
+
 def test_quick_run_measures_every_method_at_every_size(tmp_path: Path) -> None:
-    data = _run(tmp_path, "--quick", timeout=120)
+    data = _run(tmp_path, "--quick", timeout=180)
     assert [r["tokens"] for r in data["transfer"]] == [128, 256]
     assert data["config"]["tcp_congestion"] == "reno"
     assert data["hop"] is None
+    # Where Mooncake's Transfer Engine is installed its method must run, not be skipped.
+    assert ("mooncake" in data["skipped"]) is not HAS_MOONCAKE
+    transports = ["shm", "tcp"] + ["mooncake"] * HAS_MOONCAKE
     for res in data["transfer"]:
         # 128 / 256 tokens are whole blocks: the bytes are the tokens' KV exactly.
         assert res["bytes"] == res["tokens"] * BYTES_PER_TOKEN
-        for name in ("memcpy_bulk", "memcpy", "shm", "socket", "tcp"):
+        for name in ("memcpy_bulk", "memcpy", "socket", *transports):
             m = res["methods"][name]
             assert m["verified"] is True, name
             assert len(m["seconds"]) == 5
             figures = [m["gb_per_s"], m["p50_s"], m["p99_s"]]
             assert all(math.isfinite(f) and f > 0 for f in figures), (name, figures)
             assert m["p99_s"] >= m["p50_s"]
-        for name in ("shm", "tcp"):
+        for name in transports:
             assert 0 < res["methods"][name]["wait_p50_s"] <= res["methods"][name]["p50_s"]
         assert res["shm_vs_memcpy"] > 0 and res["tcp_vs_socket"] > 0
+        assert (res["mooncake_vs_tcp"] is not None) is HAS_MOONCAKE
+    # 128 and 256 tokens are under the sizes the retirement rule judges
+    assert data["tcp_retirement"]["retire"] is None
+
+
+def test_without_mooncake_its_method_is_skipped_with_the_reason(tmp_path: Path) -> None:
+    out = tmp_path / "transfer.json"
+    hide = "import sys; sys.modules['mooncake'] = None; from bench.transfer import main; "
+    proc = subprocess.run(
+        [sys.executable, "-c", hide + "sys.exit(main(sys.argv[1:]))",
+         "--sizes", "16", "--repeats", "1", "--skip-hop", "--json", str(out)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert "mooncake-transfer-engine" in data["skipped"]["mooncake"]  # names the package
+    assert "mooncake" not in data["transfer"][0]["methods"]
+    assert all(m["verified"] for m in data["transfer"][0]["methods"].values())
+    assert data["tcp_retirement"]["retire"] is None
+    assert "mooncake did not run (" in proc.stdout and "mooncake-transfer-engine" in proc.stdout
 
 
 def test_rounds_in_several_passes_are_all_timed_and_every_destination_checked(
