@@ -12,6 +12,7 @@ import pytest
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+from tests.engine.parity import assert_greedy_equal
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3,"]
@@ -25,7 +26,8 @@ async def _collect(aeng: AsyncEngine, rid: str, prompt: str) -> list[int]:
 
 
 async def test_concurrent_streams_equal_sync_generate(make_engine) -> None:
-    expected = [r.token_ids for r in make_engine().generate(PROMPTS, GREEDY)]
+    sync = make_engine()
+    expected = [r.token_ids for r in sync.generate(PROMPTS, GREEDY)]
     aeng = AsyncEngine(make_engine())
     aeng.start()
     try:
@@ -34,7 +36,8 @@ async def test_concurrent_streams_equal_sync_generate(make_engine) -> None:
         )
     finally:
         await aeng.stop()
-    assert got == expected
+    # the streams may join the batch at other steps than sync generate's: other GEMM shapes
+    assert_greedy_equal(sync, PROMPTS, got, expected)
 
 
 async def test_consumer_going_away_frees_blocks(make_engine) -> None:

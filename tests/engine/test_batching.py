@@ -1,4 +1,9 @@
-"""Batching is invisible: a sequence's tokens do not depend on what it is batched with."""
+"""Batching is invisible: a sequence's tokens do not depend on what it is batched with.
+
+A batch, a chunk or a cache hit runs torch's GEMM over other shapes than a sequence alone
+does, so its float32 sums may differ in the last bits: tokens are held to
+``assert_greedy_equal`` (equal, but at a near-tie of the logits).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import pytest
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from tests.engine.parity import assert_greedy_equal
 
 N_TOKENS = 24
 
@@ -62,16 +68,18 @@ def test_prompts_have_mixed_lengths(default_tokenizer: Tokenizer) -> None:
 
 def test_batch_of_16_equals_alone(make_engine, default_tokenizer, alone) -> None:
     engine = make_engine(enable_prefix_caching=False)
-    res = engine.generate(_prompts(default_tokenizer), GREEDY)
-    assert [r.token_ids for r in res] == alone
+    prompts = _prompts(default_tokenizer)
+    res = engine.generate(prompts, GREEDY)
+    assert_greedy_equal(engine, prompts, [r.token_ids for r in res], alone)
 
 
 def test_chunked_prefill_equals_alone(make_engine, default_tokenizer, alone) -> None:
     engine = make_engine(
         enable_prefix_caching=False, chunked_prefill=True, max_num_batched_tokens=48
     )
-    res = engine.generate(_prompts(default_tokenizer), GREEDY)
-    assert [r.token_ids for r in res] == alone
+    prompts = _prompts(default_tokenizer)
+    res = engine.generate(prompts, GREEDY)
+    assert_greedy_equal(engine, prompts, [r.token_ids for r in res], alone)
 
 
 def test_cached_prefix_equals_alone(make_engine, default_tokenizer, alone) -> None:
@@ -81,7 +89,7 @@ def test_cached_prefix_equals_alone(make_engine, default_tokenizer, alone) -> No
     assert warm.token_ids == alone[0]
     res = engine.generate(prompts, GREEDY)
     assert all(r.num_cached_tokens >= 32 for r in res), [r.num_cached_tokens for r in res]
-    assert [r.token_ids for r in res] == alone
+    assert_greedy_equal(engine, prompts, [r.token_ids for r in res], alone)
 
 
 def test_cached_prefix_with_chunked_prefill_equals_alone(
@@ -94,15 +102,16 @@ def test_cached_prefix_with_chunked_prefill_equals_alone(
     engine.generate([prompts[3]], GREEDY)
     res = engine.generate(prompts, GREEDY)
     assert sum(r.num_cached_tokens for r in res) > 0
-    assert [r.token_ids for r in res] == alone
+    assert_greedy_equal(engine, prompts, [r.token_ids for r in res], alone)
 
 
 def test_preemption_under_kv_pressure_equals_alone(make_engine, default_tokenizer, alone) -> None:
     # 16 sequences of ~80-140 tokens need ~110 blocks at the end; 60 forces preemption.
     engine = make_engine(enable_prefix_caching=False, num_kv_blocks=60)
-    res = engine.generate(_prompts(default_tokenizer), GREEDY)
+    prompts = _prompts(default_tokenizer)
+    res = engine.generate(prompts, GREEDY)
     assert engine.num_preemptions > 0
-    assert [r.token_ids for r in res] == alone
+    assert_greedy_equal(engine, prompts, [r.token_ids for r in res], alone)
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 

@@ -1,5 +1,6 @@
 """The engine's ``cpu_kernels`` setting: off, the model keeps to the torch reference (no
-packed linears, no C++ attention, no fused layer ops) and greedy output stays the same."""
+packed linears, no C++ attention, no fused layer ops) and greedy output stays the same (but
+at a near-tie: the two paths add float32 terms in different orders)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 
 import engine.attention
 from engine.sampling_params import SamplingParams
+from tests.engine.parity import assert_greedy_equal
 
 
 def test_cpu_kernels_off_keeps_to_the_reference_with_equal_tokens(
@@ -29,8 +31,10 @@ def test_cpu_kernels_off_keeps_to_the_reference_with_equal_tokens(
 
     monkeypatch.setattr(engine.attention, "decode_attention_cpu", counted)
     params = SamplingParams(max_tokens=8, temperature=0.0)
-    want = on.generate(["The capital of France is"], params)[0].token_ids
+    prompt = ["The capital of France is"]
+    want = on.generate(prompt, params)[0].token_ids
     assert calls, "the kernel path is not taken with cpu_kernels on"
     calls.clear()
-    assert off.generate(["The capital of France is"], params)[0].token_ids == want
+    got = off.generate(prompt, params)[0].token_ids
     assert calls == []
+    assert_greedy_equal(off, prompt, [got], [want])

@@ -18,6 +18,7 @@ from engine.errors import ResourceExhaustedError
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
+from tests.engine.parity import assert_greedy_equal
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -106,7 +107,8 @@ def test_prefill_worker_reuses_its_prefix_cache(make_engine, prompts) -> None:
     assert plan.num_cached_tokens >= 16
     prefill.release("again")
     second = _disaggregated(prefill, decode, prompts[:1], GREEDY)
-    assert first == second
+    # the hit leaves fewer rows to compute: other GEMM shapes than the first time
+    assert_greedy_equal(prefill, prompts[:1], second, first)
 
 
 def test_reservations_are_bounded_and_cancellable(make_engine, prompts) -> None:
@@ -164,7 +166,9 @@ def test_staged_pools_give_the_colocated_tokens(
     assert decode.kv_host.pool[:, :, present].ne(before).any()  # computed here, never sent
     decode.cancel_reservation("probe")
     second = _disaggregated(prefill, decode, [longer], GREEDY)
-    assert second == [colocated.generate([longer], GREEDY)[0].token_ids]
+    # the prefill engine's hit is shorter than the colocated one's: it computes more rows at once
+    want = [colocated.generate([longer], GREEDY)[0].token_ids]
+    assert_greedy_equal(colocated, [longer], second, want)
     assert torch.equal(decode.kv.pool[:, :, present], before)
     # The host pools hold only what crossed: the decode's own blocks stay zero there.
     assert decode.kv_host.pool.abs().sum() < decode.kv.pool.abs().sum()

@@ -14,7 +14,7 @@ from engine.errors import InvalidRequestError
 from engine.kv_cache import KVCacheSpec
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
-from tests.engine.parity import Reference, check_parity, parity_prompts
+from tests.engine.parity import Reference, assert_greedy_equal, check_parity, parity_prompts
 from tests.engine.test_disagg_roles import _disaggregated
 from transfer.errors import IncompatibleLayoutError
 from transfer.handle import KVLayout
@@ -58,9 +58,11 @@ def test_logits_stay_within_float32_parity(
         for engine in (narrow, reference):
             rel = (engine.prompt_logits(ids) - base).abs().max() / base.abs().max()
             assert 0 < rel.item() < 1e-3  # float16 keys differ, but by little
-    assert [r.token_ids for r in narrow.generate(prompts, GREEDY)] == [
-        r.token_ids for r in reference.generate(prompts, GREEDY)
-    ]
+    # the same float16 values, summed by oneDNN and the C++ kernels or by torch's own ops
+    got = [r.token_ids for r in narrow.generate(prompts, GREEDY)]
+    assert_greedy_equal(
+        narrow, prompts, got, [r.token_ids for r in reference.generate(prompts, GREEDY)]
+    )
 
 
 def test_greedy_parity_with_transformers(
@@ -88,12 +90,14 @@ def test_chunks_and_prefix_hits_read_what_one_pass_read(
         kv_cache_dtype="float16", chunked_prefill=True, max_num_batched_tokens=8,
         enable_prefix_caching=False,
     )  # fmt: skip
-    assert [r.token_ids for r in chunked.generate(prompts, GREEDY)] == want
+    # the same stored values, but chunks and hits run other GEMM shapes (float32 sum orders)
+    got = [r.token_ids for r in chunked.generate(prompts, GREEDY)]
+    assert_greedy_equal(chunked, prompts, got, want)
     cached = make_engine(kv_cache_dtype="float16")
     cached.generate(prompts, GREEDY)  # fills the prefix cache
     again = cached.generate(prompts, GREEDY)
     assert all(r.num_cached_tokens >= 16 for r in again)
-    assert [r.token_ids for r in again] == want
+    assert_greedy_equal(cached, prompts, [r.token_ids for r in again], want)
 
 
 def test_disaggregated_equals_colocated(

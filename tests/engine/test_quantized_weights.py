@@ -19,7 +19,7 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from kernels.quant_linear import QuantizedWeight, dequantize
-from tests.engine.parity import Reference, check_parity, parity_prompts
+from tests.engine.parity import Reference, assert_greedy_equal, check_parity, parity_prompts
 from tests.engine.test_disagg_roles import _disaggregated
 from tests.engine.tiny_models import write_tiny_gguf
 from tests.quant_blocks import SCALE_OFFSETS
@@ -74,10 +74,13 @@ def test_disaggregated_float32_prefill_quantized_decode_equals_colocated(
     prompts: list[list[int]],
 ) -> None:
     # --weights auto: float32 prefill workers, quantized decode and colocated workers.
-    colocated = make_quantized().generate(prompts, GREEDY)
-    float32 = make_engine().generate(prompts, GREEDY)
+    quantized, dense = make_quantized(), make_engine()
+    colocated = [r.token_ids for r in quantized.generate(prompts, GREEDY)]
+    float32 = [r.token_ids for r in dense.generate(prompts, GREEDY)]
     got = _disaggregated(make_engine(num_kv_blocks=64), make_quantized(), prompts, GREEDY)
-    assert got == [r.token_ids for r in colocated] == [r.token_ids for r in float32]
+    # the same weights, summed by the C++ kernels or oneDNN: equal but at a near-tie
+    assert_greedy_equal(quantized, prompts, got, colocated)
+    assert_greedy_equal(dense, prompts, colocated, float32)
 
 
 def test_long_prompt_prefill_runs_the_tiled_kernel_and_agrees(
@@ -125,8 +128,8 @@ def test_tiny_gguf_quantized_equals_float32(
         if isinstance(w, QuantizedWeight):
             assert torch.equal(dequantize(w), dense.tensors[name]), name  # same numbers
     ids = [[5, 17, 300, 42, 7, 9, 11, 260, 3] * 4, [1, 2, 3]]
-    got = {w: e.generate(ids, GREEDY) for w, e in engines.items()}
-    assert [r.token_ids for r in got["quantized"]] == [r.token_ids for r in got["float32"]]
+    got = {w: [r.token_ids for r in e.generate(ids, GREEDY)] for w, e in engines.items()}
+    assert_greedy_equal(engines["float32"], ids, got["quantized"], got["float32"])
     a, b = (engines[w].prompt_logits(ids[0]) for w in ("quantized", "float32"))
     assert ((a - b).abs().max() / b.abs().max()).item() < 1e-4
 

@@ -1,4 +1,5 @@
-"""kernels.linear.PackedLinear: the packed oneDNN path equals F.linear; pack=False keeps it."""
+"""kernels.linear.PackedLinear: the packed oneDNN path equals F.linear up to float32 rounding;
+pack=False keeps it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,15 @@ import torch
 import torch.nn.functional as F
 
 from kernels.linear import PackedLinear, packing_available
+
+RTOL = 2e-6  # of the largest |output|: float32 sums of up to 130 terms, in either library's order
+
+
+def assert_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    want = x.double() @ w.double().T
+    assert got.shape == want.shape
+    err = (got.double() - want).abs().max() / want.abs().max()
+    assert err.item() < RTOL, f"relative error {err.item():.2e}"
 
 
 def test_packing_is_available_on_this_build() -> None:
@@ -23,16 +33,18 @@ def test_packed_matches_f_linear(rows: int, out_f: int, in_f: int) -> None:
     x = torch.randn(rows, in_f, generator=g)
     lin = PackedLinear(w)
     assert lin.packed
-    got, ref = lin(x), F.linear(x, w)
+    got = lin(x)
     assert got.shape == (rows, out_f)
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    # oneDNN and MKL (F.linear) sum in their own orders, by shape and ISA: each against float64
+    assert_product(got, x, w)
+    assert_product(F.linear(x, w), x, w)
 
 
 def test_non_contiguous_input_and_empty_batch() -> None:
     w = torch.randn(40, 24)
     lin = PackedLinear(w)
     x = torch.randn(24, 9).t()  # [9, 24], not contiguous
-    torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert_product(lin(x), x, w)
     assert lin(torch.randn(0, 24)).shape == (0, 40)
 
 
