@@ -354,11 +354,10 @@ class Transport(ABC):
                 f"handle is for transport {handle.transport!r}, this is {self.name!r}"
             )
         source.layout.check_compatible(handle.layout)
-        key = (handle.region_id, source)
-        with self._lock:
-            cached = self._writers.get(key)
-        if cached is not None and not cached.closed and cached.handle == handle:
+        cached = self.open_writer(handle, source)
+        if cached is not None:
             return cached
+        key = (handle.region_id, source)
         with self._lock:  # forget writers closed since (e.g. their target died)
             self._writers = {k: w for k, w in self._writers.items() if not w.closed}
         writer = self._open_writer(handle, source)  # may block (a TCP connect): not locked
@@ -373,6 +372,15 @@ class Transport(ABC):
         if loser is not None:
             loser.close()
         return writer
+
+    def open_writer(self, handle: MemoryRegionHandle, source: KVSource) -> RegionWriter | None:
+        """The writer ``connect`` made for ``handle`` and ``source`` if it is still open,
+        else None; never blocks (``connect`` may: it can dial the region)."""
+        with self._lock:
+            cached = self._writers.get((handle.region_id, source))
+        if cached is not None and not cached.closed and cached.handle == handle:
+            return cached
+        return None
 
     def close(self) -> None:
         with self._lock:

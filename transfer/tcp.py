@@ -5,10 +5,17 @@ per region (reconnecting after a failure) and alone reads and writes it. It turn
 written layers into DATA frames of about ``FRAME_BYTES`` (header and range list, then the
 ranges' payloads, gathered by ``sendmsg`` straight from the source pool's memory) on one
 outbox, sends END once ``finish`` came and every layer is framed, and completes the job when
-the receiver's ACK confirms the byte count. A failed job's queued frames are dropped and an
-ABORT tells the receiver to forget it; a frame already half sent is finished first (the
-stream must stay whole), unless the job ran out of time, which closes the connection and
-fails every job on it. Target side: see ``transfer/tcp_receiver.py``.
+the receiver's ACK confirms the byte count.
+
+The fence: a failed job's queued frames are dropped; if none of its bytes reached the
+socket it is quiet at once. Otherwise an ABORT follows its frames (a frame already half
+sent is finished first: the stream must stay whole) and the job drains until the receiver
+answers the ABORT with ACK DROPPED. Frames of one connection are handled in order, so that
+answer means the receiver wrote or refused every byte of the job: none can land any more,
+and the job resolves quiet. A connection that dies first, a drain with no answer within
+``DRAIN_TIMEOUT_S`` (the connection is then closed), or a job that runs out of time
+mid-frame (the connection is closed, failing every job on it) leaves bytes of unknown
+fate: those jobs resolve not quiet. Target side: see ``transfer/tcp_receiver.py``.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ class TcpWork(JobWork):
         self.tag = 0  # its frame tag on that connection
         self.framed = 0  # payload bytes queued as DATA frames
         self.end_length = -1  # what its END frame declared, once queued
+        self.on_wire = False  # a byte of its DATA frames went into the socket
 
 
 @dataclass(eq=False)
@@ -71,7 +79,8 @@ class _Connection:
     """One connection of a writer: its socket, the jobs with frames on it, its outbox."""
 
     sock: socket.socket
-    bound: dict[int, TcpWork] = field(default_factory=dict)  # tag -> job awaiting its ACK
+    # tag -> job awaiting an ACK: to its END, or (once it failed) to its ABORT
+    bound: dict[int, TcpWork] = field(default_factory=dict)
     outbox: deque[_Outgoing] = field(default_factory=deque)
     acks: bytearray = field(default_factory=bytearray)
     blocked: bool = False  # the socket buffer was full: wait until it has room
@@ -135,7 +144,8 @@ class TcpWriter(OwnerThreadWriter):
         return self._conn
 
     def _kill(self, conn: _Connection, reason: str) -> None:
-        """Close ``conn``; every job with frames on it fails (one frame may be half sent)."""
+        """Close ``conn``; every job with frames on it fails, not quiet if any of its bytes
+        went out (the receiver may still read them from its socket buffer)."""
         if conn.dead:
             return
         conn.dead = True
@@ -143,14 +153,14 @@ class TcpWriter(OwnerThreadWriter):
         conn.sock.close()
         if self._conn is conn:
             self._conn = None
-        waiting = conn.outbox[0].work if conn.outbox else None
         conn.outbox.clear()
         error = TransferError(f"connection to {self.handle.address} lost: {reason}")
-        for work in list(conn.bound.values()):
-            self._fail(work, error)
-        conn.bound.clear()
-        if waiting is not None and waiting.error is not None:
-            self._resolve(waiting, quiet=False)  # its half-sent frame never finishes now
+        bound, conn.bound = conn.bound, {}
+        for work in bound.values():
+            if work.error is None:
+                self._fail(work, error)
+            else:
+                self._resolve(work, quiet=False)  # draining: its ABORT goes unanswered
 
     # --- hooks ---------------------------------------------------------------------------
 
@@ -204,8 +214,7 @@ class TcpWriter(OwnerThreadWriter):
         if conn is None:
             return Drop.QUIET  # nothing of it was framed
         if conn.dead:
-            return Drop.UNKNOWN if work.bytes_moved else Drop.QUIET
-        conn.bound.pop(work.tag, None)
+            return Drop.UNKNOWN if work.on_wire else Drop.QUIET
         head = conn.outbox[0] if conn.outbox else None
         half_sent = head is not None and head.work is work and head.started
         if half_sent and isinstance(work.error, TransferTimeout):
@@ -216,13 +225,19 @@ class TcpWriter(OwnerThreadWriter):
         conn.outbox = deque(
             f for f in conn.outbox if f.work is not work or (f is head and half_sent)
         )
-        if half_sent or work.bytes_moved:  # the receiver holds a partial count for it
-            abort = Frame(FrameKind.ABORT, self._key, work.tag).encode()
-            conn.outbox.append(_Outgoing(None, [memoryview(abort)], 0))
-        if half_sent:
-            return Drop.DRAINING
-        # Frames already sent may still be on their way into the receiver: unconfirmed.
-        return Drop.UNKNOWN if work.bytes_moved else Drop.QUIET
+        if not work.on_wire:
+            conn.bound.pop(work.tag, None)
+            return Drop.QUIET
+        # Its bytes may still sit in socket buffers on their way into the region: it stays
+        # bound until the receiver's answer to this ABORT says it handled all of them.
+        abort = Frame(FrameKind.ABORT, self._key, work.tag).encode()
+        conn.outbox.append(_Outgoing(None, [memoryview(abort)], 0))
+        return Drop.DRAINING
+
+    def _give_up(self, work: JobWork) -> None:
+        assert isinstance(work, TcpWork)
+        if work.conn is not None:
+            self._kill(work.conn, f"no answer to the abort of {work.job.request_id!r}")
 
     def _has_ready_bytes(self) -> bool:
         conn = self._conn
@@ -248,15 +263,15 @@ class TcpWriter(OwnerThreadWriter):
                 self._kill(conn, f"send failed: {exc}")
                 return
             head.started = True
+            if head.payload:
+                assert head.work is not None
+                head.work.on_wire = True
             head.views = advance(head.views, sent)
             if head.views:
                 continue
             conn.outbox.popleft()
-            work = head.work
-            if work is not None:
-                work.bytes_moved += head.payload
-                if work.error is not None:
-                    self._resolve(work, quiet=False)  # its half-sent frame is out, unconfirmed
+            if head.work is not None:
+                head.work.bytes_moved += head.payload
         if conn.blocked and not conn.dead:  # drained: stop waiting for room
             conn.blocked = False
             self._watch_conn(conn, selectors.EVENT_READ)
@@ -289,12 +304,18 @@ class TcpWriter(OwnerThreadWriter):
             if frame.kind is not FrameKind.ACK:
                 self._kill(conn, f"unexpected {frame.kind.name} frame from the receiver")
                 return
-            work = conn.bound.pop(frame.tag, None)
+            work = conn.bound.get(frame.tag)
             if work is None:
-                continue  # the job failed or was aborted already
+                continue  # a job that ended already
+            if work.error is not None:
+                if frame.status == AckStatus.DROPPED:
+                    del conn.bound[frame.tag]
+                    self._resolve(work, quiet=True)
+                continue  # else the answer to its END: the one to its ABORT follows
             if frame.status == AckStatus.OK and frame.length == work.end_length:
+                del conn.bound[frame.tag]
                 self._succeed(work)
-            else:
+            else:  # stays bound: a job with bytes out drains until its ABORT is answered
                 self._fail(
                     work,
                     TransferError(
@@ -309,7 +330,9 @@ class TcpTransport(Transport):
 
     ``advertise_host`` is the host peers dial (default: ``host``, or this machine's name when
     ``host`` is a wildcard). ``idle_timeout`` closes connections silent between frames;
-    ``io_timeout`` bounds silence inside a frame; ``connect_timeout`` bounds a writer's dial.
+    ``io_timeout`` bounds silence inside a frame and before a new connection's first one;
+    ``max_connections`` caps the connections served at once (one thread each; more are
+    closed at once); ``connect_timeout`` bounds a writer's dial.
     ``congestion`` is the TCP congestion control the writers' connections send with (Linux
     ``TCP_CONGESTION``; ``None``: the system's default); a name this process may not use
     fails here, not at the first connection. Between two processes on one host ``reno``
@@ -326,11 +349,14 @@ class TcpTransport(Transport):
         advertise_host: str | None = None,
         idle_timeout: float = 300.0,
         io_timeout: float = 10.0,
+        max_connections: int = 64,
         connect_timeout: float = 5.0,
         congestion: str | None = None,
     ) -> None:
         if congestion is not None:
             check_congestion(congestion)
+        if max_connections < 1:
+            raise TransferError(f"max_connections must be at least 1, got {max_connections}")
         super().__init__()
         if advertise_host is None:
             advertise_host = socket.getfqdn() if host in ("", "0.0.0.0", "::") else host
@@ -339,20 +365,33 @@ class TcpTransport(Transport):
         self.advertise_host = advertise_host
         self.idle_timeout = idle_timeout
         self.io_timeout = io_timeout
+        self.max_connections = max_connections
         self.connect_timeout = connect_timeout
         self.congestion = congestion
         self._receiver: TcpReceiver | None = None
 
     @property
     def rejected_connections(self) -> int:
-        """Connections the receiver closed for a bad frame (wrong key, bounds, garbage)."""
+        """Connections the receiver closed for a bad frame (wrong key, bounds, garbage), or
+        took none of: over ``max_connections``, or no thread to serve one."""
         return 0 if self._receiver is None else self._receiver.rejected
+
+    @property
+    def healthy(self) -> bool:
+        """False once the receiver stopped accepting connections (its acceptor died): no new
+        writer can reach its regions, so the worker should stop reporting SERVING."""
+        return self._receiver is None or self._receiver.healthy
 
     def _register(self, layout: KVLayout) -> KVRegion:
         with self._lock:
             if self._receiver is None:
                 self._receiver = TcpReceiver(
-                    self.host, self.port, self.advertise_host, self.idle_timeout, self.io_timeout
+                    self.host,
+                    self.port,
+                    self.advertise_host,
+                    self.idle_timeout,
+                    self.io_timeout,
+                    max_connections=self.max_connections,
                 )
             receiver = self._receiver
         region = TcpRegion(layout, receiver)

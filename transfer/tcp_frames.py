@@ -11,14 +11,18 @@ Every frame starts with one fixed 48-byte header (network byte order)::
   A writer packs a job's ranges (of one or several layers) into frames of about
   ``FRAME_BYTES``.
 - END (writer -> receiver): the job is complete; ``length`` is the byte count the writer sent.
-- ABORT (writer -> receiver): forget the job's partial count.
-- ACK (receiver -> writer): answer to END; ``status`` OK or MISMATCH, ``length`` bytes seen.
+- ABORT (writer -> receiver): forget the job's partial count, and answer.
+- ACK (receiver -> writer): ``length`` is the job's bytes seen; ``status`` OK or MISMATCH
+  answers END, DROPPED answers ABORT: every earlier frame of the job on this connection was
+  handled, so none of its bytes can land any more (the writer's fence waits for it).
 
 ``count`` is 0 in every frame but DATA. A frame that breaks any of these rules (wrong magic,
 another version, unknown kind, a count out of bounds, a range list whose lengths do not add
 up to ``length``, an empty or out-of-region range) is rejected: the receiver closes that
-connection. Version 1 (one range per DATA frame) is not spoken any more; a version-1 peer is
-rejected with "unsupported frame version 1".
+connection. Older versions are not spoken and are rejected ("unsupported frame version N"):
+1 had one range per DATA frame; 2 left ABORT unanswered (a version-3 writer waiting for
+the answer would give up each drain and close the connection, failing the other jobs on
+it: a mixed pair fails at its first frame instead).
 
 ``key`` is the region's secret from its handle (a stray client cannot write into memory);
 the job tag is unique per job on one connection (the writer counts them).
@@ -43,7 +47,7 @@ from transfer.errors import TransferError, TransferTimeout
 
 TRANSPORT_NAME = "tcp"
 MAGIC = b"PDKV"
-VERSION = 2
+VERSION = 3
 HEADER = struct.Struct("!4sBBH16sQQQ")
 HEADER_SIZE = HEADER.size
 RANGE = struct.Struct("!QQ")
@@ -71,8 +75,9 @@ _KINDS = {kind.value: kind for kind in FrameKind}
 
 
 class AckStatus(IntEnum):
-    OK = 0
-    MISMATCH = 1
+    OK = 0  # END: the byte count matches
+    MISMATCH = 1  # END: it does not
+    DROPPED = 2  # ABORT: the job's frames before it were all handled
 
 
 class FrameError(TransferError):

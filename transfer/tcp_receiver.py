@@ -7,7 +7,14 @@ slices of the region's tensor that the ranges name (no intermediate copy). A bad
 (unknown key, garbage, another version, a malformed range list, out-of-bounds range, wrong
 direction) or a frame cut short by the peer closes that connection only and counts in
 ``rejected``; every read has an inactivity timeout (``idle_timeout`` between frames,
-``io_timeout`` inside one), so no thread waits forever.
+``io_timeout`` inside one and before a connection's first), so no thread waits forever.
+At most ``max_connections`` are served at once; one more, or one no thread can be started
+for, is closed at once (and counted in ``rejected``) while the acceptor goes on.
+
+The fence's target half: a connection's frames are handled one after the other on its
+thread, so when an ABORT is read every earlier frame of its job has been written into the
+region (or refused, closing the connection). The ACK DROPPED that answers it tells the
+writer that no byte of the job can land any more.
 """
 
 from __future__ import annotations
@@ -94,7 +101,14 @@ class TcpReceiver:
     """One listening socket; a handler thread per connection writes frames into regions."""
 
     def __init__(
-        self, host: str, port: int, advertise_host: str, idle_timeout: float, io_timeout: float
+        self,
+        host: str,
+        port: int,
+        advertise_host: str,
+        idle_timeout: float,
+        io_timeout: float,
+        *,
+        max_connections: int,
     ) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
@@ -105,6 +119,7 @@ class TcpReceiver:
         self.address = format_address(advertise_host, self._listener.getsockname()[1])
         self._idle_timeout = idle_timeout
         self._io_timeout = io_timeout
+        self._max_connections = max_connections
         self._tick = min(POLL_SECONDS * 4, io_timeout / 2, idle_timeout / 2)
         self._lock = threading.Lock()
         self._regions: dict[bytes, TcpRegion] = {}
@@ -114,6 +129,12 @@ class TcpReceiver:
         self.rejected = 0
         self._acceptor = threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)
         self._acceptor.start()
+
+    @property
+    def healthy(self) -> bool:
+        """Whether new connections are still accepted (False once closed, or if the acceptor
+        died)."""
+        return self._acceptor.is_alive()
 
     def add(self, region: TcpRegion) -> None:
         with self._lock:
@@ -141,24 +162,51 @@ class TcpReceiver:
             thread.join(timeout=2.0)
 
     def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, peer = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._stop.is_set():
-                    return
-                time.sleep(POLL_SECONDS)  # e.g. EMFILE: back off, keep serving
-                continue
-            tune_socket(conn, self._tick, self._tick)
-            thread = threading.Thread(
-                target=self._serve, args=(conn, peer), name="kv-recv", daemon=True
-            )
-            with self._lock:
+        try:
+            while not self._stop.is_set():
+                try:
+                    conn, peer = self._listener.accept()
+                except TimeoutError:
+                    continue
+                except OSError:
+                    if self._stop.is_set():
+                        return
+                    time.sleep(POLL_SECONDS)  # e.g. EMFILE: back off, keep serving
+                    continue
+                self._admit(conn, peer)
+        except Exception:
+            log.exception("kv receiver: the acceptor failed; no more connections are served")
+        finally:
+            # Dialers are refused at once rather than queued where nobody accepts them.
+            self._listener.close()
+
+    def _admit(self, conn: socket.socket, peer: object) -> None:
+        """Serve ``conn`` on a thread of its own, or close it: over the cap, or no thread."""
+        thread = threading.Thread(
+            target=self._serve, args=(conn, peer), name="kv-recv", daemon=True
+        )
+        with self._lock:
+            full = len(self._conns) >= self._max_connections
+            if not full:
                 self._conns[conn] = None
                 self._threads.add(thread)
+        if full:
+            self._reject(None, peer, f"{self._max_connections} connections are open already")
+            conn.close()  # counted first: whoever sees it closed sees it counted
+            return
+        try:
+            tune_socket(conn, self._tick, self._tick)
             thread.start()
+        except (OSError, RuntimeError) as exc:  # RuntimeError: no thread to be had now
+            self._reject(None, peer, f"cannot serve it: {exc}")
+        finally:
+            # Never started: the connection ends here. An exception other than the two
+            # above (a bug) goes on to stop the acceptor, which ``healthy`` reports.
+            if thread.ident is None:
+                with self._lock:
+                    self._conns.pop(conn, None)
+                    self._threads.discard(thread)
+                conn.close()
 
     def _serve(self, conn: socket.socket, peer: object) -> None:
         region: TcpRegion | None = None
@@ -167,8 +215,14 @@ class TcpReceiver:
         header_view = memoryview(header)
         stop = self._stop.is_set
         try:
+            # A connection that names no region yet holds a slot of max_connections for
+            # nothing: its first frame gets io_timeout, not idle_timeout.
             while recv_exactly(
-                conn, header_view, inactivity=self._idle_timeout, stop=stop, eof_ok=True
+                conn,
+                header_view,
+                inactivity=self._io_timeout if region is None else self._idle_timeout,
+                stop=stop,
+                eof_ok=True,
             ):
                 try:
                     frame = Frame.decode(header)
@@ -196,17 +250,11 @@ class TcpReceiver:
                         region.counter.add(seconds=time.monotonic() - first, jobs=1)
                     else:
                         region.counter.add(failures=1)
-                    ack = Frame(
-                        FrameKind.ACK,
-                        frame.key,
-                        frame.tag,
-                        length=seen,
-                        status=AckStatus.OK if ok else AckStatus.MISMATCH,
-                    )
-                    send_deadline = time.monotonic() + self._io_timeout
-                    send_exactly(conn, ack.encode(), give_up=lambda d=send_deadline: past(d))
+                    self._answer(conn, frame, seen, AckStatus.OK if ok else AckStatus.MISMATCH)
                 elif frame.kind is FrameKind.ABORT:
-                    pending.pop(frame.tag, None)
+                    # Every earlier frame of the job was handled on this thread already.
+                    seen, _ = pending.pop(frame.tag, (0, 0.0))
+                    self._answer(conn, frame, seen, AckStatus.DROPPED)
                 else:
                     raise _Rejected(f"unexpected {frame.kind.name} frame")
         except _Rejected as exc:
@@ -223,6 +271,12 @@ class TcpReceiver:
                 self._conns.pop(conn, None)
                 self._threads.discard(threading.current_thread())
             conn.close()
+
+    def _answer(self, conn: socket.socket, frame: Frame, seen: int, status: AckStatus) -> None:
+        """ACK ``frame`` (an END or ABORT) with ``status`` and the job's ``seen`` bytes."""
+        ack = Frame(FrameKind.ACK, frame.key, frame.tag, length=seen, status=status)
+        deadline = time.monotonic() + self._io_timeout
+        send_exactly(conn, ack.encode(), give_up=lambda: past(deadline))
 
     def _receive_data(
         self, conn: socket.socket, frame: Frame, region: TcpRegion, stop: Callable[[], bool]

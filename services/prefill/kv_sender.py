@@ -113,11 +113,12 @@ class KVSender:
         """Compute the prompt (+ ``resumed`` tokens) and deliver its KV to ``dest`` by
         ``deadline`` (``time.monotonic()``); ``SendFailed`` otherwise."""
         transport = self.transport(dest.handle.transport)
+        source = self._sources[transport.source_on_device]
         try:
-            # Off the event loop: opening a path may dial the destination (a tcp connect),
-            # and one unreachable decode worker must not stall every other call here.
-            writer = await asyncio.to_thread(
-                transport.connect, dest.handle, self._sources[transport.source_on_device]
+            # Opening a path may dial the destination (a tcp connect): off the event loop,
+            # so one unreachable decode worker cannot stall every other call here.
+            writer = transport.open_writer(dest.handle, source) or await asyncio.to_thread(
+                transport.connect, dest.handle, source
             )
         except TransferError as e:
             raise SendFailed(e, fenced=True) from e

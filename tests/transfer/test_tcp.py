@@ -30,11 +30,13 @@ from transfer.tcp_frames import (
     HEADER,
     HEADER_SIZE,
     MAGIC,
+    AckStatus,
     Frame,
     FrameKind,
     encode_data,
     parse_address,
 )
+from transfer.writer import DRAIN_TIMEOUT_S
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -69,25 +71,34 @@ def test_writes_land_exactly_in_a_target_process() -> None:
         assert time.monotonic() - started < 2.0
 
 
-def test_target_that_stops_reading_times_out_then_the_writer_recovers() -> None:
+def test_target_that_stops_reading_times_out_drains_then_the_writer_recovers() -> None:
     with TcpTransport() as transport, Target("tcp", DST_LAYOUT) as target:
         writer = transport.connect(target.handle, source())
+        sock = writer._conn.sock  # type: ignore[attr-defined]
         target.pause()  # SIGSTOP: frames sit in socket buffers, no ack ever comes
         started = time.monotonic()
         try:
-            with pytest.raises(TransferTimeout, match="awaiting confirmation"):
-                push_requests(writer, timeout=1.0, moves=MOVES[:1])
+            job = writer.begin("req-0", *MOVES[0], deadline=started + 1.0)
+            for layer in LAYERS:
+                job.write_layer(layer)
+            job.finish()
+            assert wait_until(lambda: writer.stats().failures == 1, 5)
             elapsed = time.monotonic() - started
+            # Its frames may still land: the outcome waits for the receiver's word on them.
+            assert not job.outcome.done()
         finally:
             target.resume()
         assert 0.95 <= elapsed < 1.5
-        assert writer.stats().failures == 1
-        # Same request id again, same connection: the late ack of the failed job must not
-        # be taken for this one's.
+        with pytest.raises(TransferTimeout, match="awaiting confirmation"):
+            job.outcome.result(DRAIN_TIMEOUT_S)
+        assert job.quiet  # the receiver answered the ABORT: it handled every frame before it
+        # The buffered bytes landed before that answer, as the fence needs.
+        assert target.verify(SRC_LAYOUT, MOVES[:1], LAYERS) == 0
+        # Same request id again, same connection: the late ACK of the failed job's END was
+        # not taken for a success, and must not be taken for this one's.
         results = push_requests(writer, moves=MOVES[1:])
         assert [r.bytes for r in results] == MOVE_BYTES[1:]
-        # The timed-out job's bytes were already buffered and still landed: the contract
-        # says a failed job's blocks stay leased until its deadline plus grace.
+        assert writer._conn.sock is sock  # type: ignore[attr-defined]
         assert target.verify(SRC_LAYOUT, MOVES, LAYERS) == 0
 
 
@@ -196,6 +207,10 @@ def test_receiver_drops_clients_that_go_silent() -> None:
             assert _closed_by_peer(stalled)  # mid-frame silence: io_timeout
             assert 0.25 <= time.monotonic() - started < 2.0
         with socket.create_connection((host, port)) as idle:
+            idle.sendall(Frame(FrameKind.ABORT, key, 1).encode())  # a first frame, answered
+            idle.settimeout(5)
+            ack = Frame.decode(idle.recv(HEADER_SIZE, socket.MSG_WAITALL))
+            assert (ack.kind, ack.tag, ack.status) == (FrameKind.ACK, 1, AckStatus.DROPPED)
             started = time.monotonic()
             assert _closed_by_peer(idle)  # between frames: idle_timeout
             assert 0.45 <= time.monotonic() - started < 2.0

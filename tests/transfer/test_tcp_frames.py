@@ -1,4 +1,4 @@
-"""The tcp wire format (version 2) and its socket loops, over real socket pairs."""
+"""The tcp wire format (version 3) and its socket loops, over real socket pairs."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from transfer.tcp_frames import (
     MAGIC,
     MAX_RANGES,
     VERSION,
+    AckStatus,
     Frame,
     FrameError,
     FrameKind,
@@ -41,8 +42,10 @@ def _header(version: int = VERSION, kind: int = FrameKind.DATA, count: int = 1) 
 def test_frames_round_trip() -> None:
     end = Frame(FrameKind.END, KEY, tag=3, length=1 << 40)
     assert Frame.decode(end.encode()) == end
-    ack = Frame(FrameKind.ACK, KEY, tag=2**64 - 1, length=5, status=1)
+    ack = Frame(FrameKind.ACK, KEY, tag=2**64 - 1, length=5, status=AckStatus.MISMATCH)
     assert Frame.decode(ack.encode()) == ack
+    dropped = Frame(FrameKind.ACK, KEY, tag=4, length=64, status=AckStatus.DROPPED)
+    assert Frame.decode(dropped.encode()).status == AckStatus.DROPPED
     data = encode_data(KEY, 9, [(4096, 100), (0, 28)], 128)
     assert len(data) == HEADER_SIZE + 2 * 16
     frame = Frame.decode(data[:HEADER_SIZE])
@@ -58,6 +61,7 @@ def test_frames_round_trip() -> None:
     [
         (b"HTTP" + _header()[4:], "bad frame magic"),
         (_header(version=1), "unsupported frame version 1"),
+        (_header(version=2), "unsupported frame version 2"),  # ABORT went unanswered
         (_header(kind=9), "unknown frame kind 9"),
         (_header(count=0), "DATA frame with 0 ranges"),
         (_header(count=MAX_RANGES + 1), f"DATA frame with {MAX_RANGES + 1} ranges"),
