@@ -160,6 +160,23 @@ def step_observer(role: str) -> Callable[[str, float, int], None]:
     return observe
 
 
+async def watch_data_plane(
+    healthy: Callable[[], bool],
+    server: process.GrpcServer,
+    registrar: Registrar | None,
+    *,
+    every_s: float = 1.0,
+) -> None:
+    """Once ``healthy()`` turns False (peers can no longer write this worker's KV), report
+    NOT_SERVING on the health service and DRAINING to the scheduler, for good."""
+    while healthy():
+        await asyncio.sleep(every_s)
+    log.error("kv_data_plane_down")
+    await server.set_serving(False)
+    if registrar is not None:
+        registrar.draining = True
+
+
 async def serve_worker(
     args: WorkerArgs,
     role: str,
@@ -168,8 +185,11 @@ async def serve_worker(
     transports: list[str],
     inflight: Callable[[], int],
     kv_region: MemoryRegionHandle | None = None,
+    data_plane_healthy: Callable[[], bool] = lambda: True,
 ) -> None:
-    """Run until SIGTERM; then stop taking work and wait for in-flight requests."""
+    """Run until SIGTERM; then stop taking work and wait for in-flight requests.
+    ``data_plane_healthy``: False once peers can no longer write this worker's KV (its
+    receiver died): the worker then reports NOT_SERVING, and DRAINING to the scheduler."""
     process.start_metrics(args.metrics_port, args.host)
     aengine.on_step = step_observer(role)
     metrics.DELIVERY_WAIT_TIMEOUTS.labels(role)  # exported at 0 from the start
@@ -194,6 +214,8 @@ async def serve_worker(
             interval_s=args.heartbeat_interval_s, cache=aengine.engine.cache_events,
         )  # fmt: skip
         background.append(registrar.run())
+
+    background.append(watch_data_plane(data_plane_healthy, server, registrar))
 
     async def drain() -> None:
         if registrar is not None:

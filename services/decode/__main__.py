@@ -82,8 +82,9 @@ async def _main(cfg: DecodeConfig) -> None:
     names = [cfg.transport] if cfg.role == "decode" else []
     try:
         await serve_worker(
-            cfg.worker, cfg.role, server, aengine, names, lambda: servicer.inflight, handle
-        )
+            cfg.worker, cfg.role, server, aengine, names, lambda: servicer.inflight, handle,
+            data_plane_healthy=lambda: transport is None or transport.healthy,
+        )  # fmt: skip
     finally:
         await servicer.close()
         if transport is not None:

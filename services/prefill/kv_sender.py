@@ -26,12 +26,15 @@ from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, PrefillOutput
 from engine.sampling_params import SamplingParams
+from services.common import metrics
 from services.common.background import Background
 from transfer.base import KVSource, TransferJob, TransferResult, Transport
 from transfer.errors import TransferError
 from transfer.handle import KVLayout, MemoryRegionHandle
 
 log = structlog.get_logger(__name__)
+
+ROLE = "prefill"
 
 # How long past its deadline a transfer's outcome may come (the writer fails the job at the
 # deadline, and a failed job drains for at most transfer.writer.DRAIN_TIMEOUT_S); later, the
@@ -134,6 +137,8 @@ class KVSender:
                 request_id, sent_ids, dest.block_ids[dest.present_blocks :], deadline=deadline
             )
             started = time.monotonic()
+            # Observed as the prompt starts (before its compute), as a queue time is.
+            metrics.QUEUE_TIME.labels(ROLE).observe(started - arrival)
             hook = _layer_writer(self.aengine.engine, job, sent_ids, transport)
             out = await asyncio.wait_for(self.aengine.run_prefill(plan, hook), deadline - started)
             computed = time.monotonic()

@@ -34,7 +34,7 @@ from services.common import metrics
 from services.common.convert import handle_from_proto, sampling_from_proto
 from services.common.grpc_errors import KV_FENCED, abort_with
 from services.common.placement_token import PlacementTokenError, verify_write
-from services.prefill.kv_sender import KVDestination, KVSender, SendFailed
+from services.prefill.kv_sender import ROLE, KVDestination, KVSender, SendFailed
 from transfer.base import Transport
 from transfer.errors import TransferError
 from transfer.plan import first_repeat
@@ -42,7 +42,6 @@ from transfer.plan import first_repeat
 log = structlog.get_logger(__name__)
 
 DEFAULT_DEADLINE_S = 30.0
-ROLE = "prefill"
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -119,7 +118,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await self._fail(context, e.cause, fenced=e.fenced)
         out, result = sent.output, sent.transfer
         computed = sent.num_tokens - out.num_cached_tokens
-        metrics.QUEUE_TIME.labels(ROLE).observe(sent.queue_seconds)
         metrics.PROMPT_TOKENS_CACHED.labels(ROLE).inc(out.num_cached_tokens)
         metrics.PROMPT_TOKENS_COMPUTED.labels(ROLE).inc(computed)
         metrics.TRANSFER_BYTES.labels(ROLE, dest.handle.transport).inc(result.bytes)

@@ -9,11 +9,15 @@ cancelled and finished requests leave every block free; bad input gets a clear s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
+import socket
+from collections.abc import Iterator
 
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.kv_cache import KVCacheSpec
 from engine.sampling_params import SamplingParams
@@ -22,7 +26,7 @@ from services.common.convert import handle_to_proto
 from services.common.grpc_errors import kv_fenced
 from tests.scrape import metric
 from tests.services.procs import ServiceProcess, start_service
-from transfer.handle import KVLayout
+from transfer.handle import KVLayout, MemoryRegionHandle
 from transfer.registry import get_transport
 
 MAX_TOKENS = 12
@@ -504,3 +508,69 @@ async def test_float32_kv_workers_equal_colocated_and_refuse_a_float16_peer(
     finally:
         for p in procs:
             p.stop()
+
+
+@contextlib.contextmanager
+def _syn_dropping_port() -> Iterator[int]:
+    """A port whose SYNs go unanswered: a listener that never accepts, its accept queue
+    (backlog 0) full, so the kernel drops new connection requests and a dial hangs until
+    its own timeout, as towards a host that filters its port."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    try:
+        for _ in range(4):
+            s = socket.socket()
+            s.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                s.connect(("127.0.0.1", port))
+            fillers.append(s)
+        with pytest.raises(TimeoutError):  # the port really drops SYNs now
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        yield port
+    finally:
+        for s in fillers:
+            s.close()
+        listener.close()
+
+
+async def test_a_decode_kv_port_that_drops_syns_stalls_no_other_request(
+    cluster, prompts, region
+) -> None:
+    """A Prefill whose tcp destination never answers waits out its connect timeout (5 s) on
+    a thread: the prefill worker's other requests and its health checks go on meanwhile."""
+    procs, _ = cluster
+    with _syn_dropping_port() as port:
+        unreachable = MemoryRegionHandle.from_dict(
+            {**region.handle.to_dict(), "transport": "tcp", "address": f"127.0.0.1:{port}"}
+        )
+        bad = worker_pb2.PrefillRequest(
+            request_id="syn-dropped",
+            prompt_token_ids=list(range(200, 232)),
+            sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0),
+            deadline_ms=30_000,
+            kv_destination=worker_pb2.KVDestination(
+                region=handle_to_proto(unreachable), block_ids=(2, 3)
+            ),
+        )
+        async with grpc.aio.insecure_channel(procs["prefill"].address) as ch:
+            stuck = asyncio.ensure_future(
+                worker_pb2_grpc.PrefillWorkerStub(ch).Prefill(bad, timeout=30)
+            )
+            await asyncio.sleep(0.3)  # it is dialling now
+            health = health_pb2_grpc.HealthStub(ch)
+            answer = await health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+            toks, _ = await _generate(
+                procs["shm"].address,
+                _request("beside-syn-drop", prompts[0], procs["prefill"].address),
+            )
+            assert len(toks) == MAX_TOKENS
+            assert not stuck.done(), "the other request waited for the stalled dial"
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stuck
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "cannot connect" in (e.value.details() or ""), e.value.details()
+    assert kv_fenced(e.value)  # no writer began: the blocks are free at once
