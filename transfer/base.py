@@ -323,6 +323,12 @@ class Transport(ABC):
         self._regions: list[KVRegion] = []
         self._dice: FaultDice | None = None
 
+    @property
+    def healthy(self) -> bool:
+        """Whether peers can still write into this transport's regions (a transport whose
+        receiving side can die says so; the worker then reports NOT_SERVING)."""
+        return True
+
     def inject_faults(self, plan: FaultPlan) -> None:
         """Have writers opened from now on fail, slow down or stall as ``plan`` says (tests,
         chaos runs); an inactive plan injects nothing."""
