@@ -1,6 +1,7 @@
-"""KV fencing with real processes: a destination block is reused only once its writer is
-known to have stopped, and cancelling a request at any point of its life leaves every block
-free on both workers.
+"""KV fencing with real processes, over every transport that writes into a decode worker's
+host pool (shm, tcp, mooncake): a destination block is reused only once no byte of its
+writer can land any more, and cancelling a request at any point of its life leaves every
+block free on both workers.
 
 The prefill worker runs a fault plan that freezes each transfer's writer for a while right
 before it moves bytes (``stall_ms``: what a descheduled or stopped writer does), so a
@@ -25,19 +26,21 @@ STALL_MS = 2000
 TOKENS = 40
 
 
-@pytest.fixture(scope="module")
-def workers():
+@pytest.fixture(scope="module", params=["shm", "tcp", "mooncake"])
+def workers(request):
+    """A decode worker whose pool prefill workers write over the transport of the param,
+    and a prefill worker whose writers freeze before they move a job's bytes."""
     procs: dict[str, ServiceProcess] = {}
     ports = {"decode": free_port(), "prefill": free_port()}
     try:
         procs["decode"] = start_service(
-            "services.decode", "--port", "0", "--transport", "shm", "--kv-cache-mib", "32",
-            "--prefill-deadline-s", "8",
+            "services.decode", "--port", "0", "--transport", request.param,
+            "--mooncake-protocol", "tcp", "--kv-cache-mib", "32", "--prefill-deadline-s", "8",
             "--metrics-port", str(ports["decode"]),
         )  # fmt: skip
         procs["prefill"] = start_service(
             "services.prefill", "--port", "0", "--kv-cache-mib", "48",
-            "--metrics-port", str(ports["prefill"]),
+            "--transports", "shm,tcp,mooncake", "--metrics-port", str(ports["prefill"]),
             env={"PDSERVE_FAULTS": f"stall_ms={STALL_MS}"},
         )  # fmt: skip
         yield procs, ports
