@@ -3,7 +3,8 @@ bridge (``tests.netns``), so KV and control traffic cross real interfaces and a 
 be cut off by taking its link down while its processes run on.
 
 Hosts: ``ctl`` (redis-server, scheduler), ``prefill``, ``decode-a`` and ``decode-b`` (KV
-over tcp), ``gw`` (gateway) and ``client``, where a small subprocess (``ns_client``) sends
+over tcp, then the whole module again over mooncake: Mooncake's Transfer Engine, protocol
+tcp), ``gw`` (gateway) and ``client``, where a small subprocess (``ns_client``) sends
 the OpenAI requests and scrapes ``/metrics``: this test's own process, in the root
 namespace, reaches none of them. Skipped only where namespaces cannot be made (not root,
 or the machine forbids them).
@@ -68,6 +69,7 @@ def wait_until(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
 class Cluster:
     net: Network
     stack: Stack
+    transport: str  # how the prefill worker writes into the decode workers' pools
 
     def host(self, name: str) -> Host:
         return self.net.hosts[name]
@@ -185,8 +187,8 @@ class Reply:
         return cls(text, reason, usage, served, lines[-1] if lines else {})
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[Cluster]:
+@pytest.fixture(scope="module", params=["tcp", "mooncake"])
+def cluster(request, tmp_path_factory) -> Iterator[Cluster]:
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root (ip netns add)")
     prefix = f"pdt-{os.getpid()}-"
@@ -204,8 +206,8 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
     try:
         for name in ("ctl", "prefill", *DECODES, "gw", "client"):
             net.add_host(name)
-        _start(Cluster(net, stack))
-        yield Cluster(net, stack)
+        _start(Cluster(net, stack, request.param))
+        yield Cluster(net, stack, request.param)
     finally:
         try:
             stack.stop()
@@ -242,9 +244,12 @@ def _start(c: Cluster) -> None:
                    "--worker-id", name, "--scheduler", scheduler, *engine, *flags)  # fmt: skip
         return c.stack.start(Proc(name, host.argv(argv)))
 
-    started = [worker("prefill", "services.prefill", "--transports", "tcp")]
-    started += [worker(d, "services.decode", "--transport", "tcp", "--kv-port", str(KV_PORT))
-                for d in DECODES]  # fmt: skip
+    if c.transport == "tcp":
+        pre, dec = [], ["--kv-port", str(KV_PORT)]
+    else:  # the machines here have no RDMA device: say so rather than rely on auto
+        pre = dec = ["--mooncake-protocol", "tcp"]
+    started = [worker("prefill", "services.prefill", "--transports", c.transport, *pre)]
+    started += [worker(d, "services.decode", "--transport", c.transport, *dec) for d in DECODES]
     started.append(c.stack.start(Proc("gateway", c.host("gw").argv(_py(
         "services.gateway", "--host", "0.0.0.0", "--http-port", str(HTTP_PORT),
         "--grpc-port", "50051", "--backend", "cluster", "--scheduler", scheduler,
@@ -284,7 +289,8 @@ def test_kv_crosses_the_prefill_hosts_link(cluster: Cluster, expected) -> None:
     """A request's KV leaves the prefill host through its interface: the interface sent at
     least the KV the worker reports writing, and the answer is the greedy one."""
     before = {name: cluster.host(name).counters() for name in ("prefill", *DECODES)}
-    sent = cluster.metric("prefill", "pdserve:kv_transfer_bytes_total", 'transport="tcp"')
+    label = f'transport="{cluster.transport}"'
+    sent = cluster.metric("prefill", "pdserve:kv_transfer_bytes_total", label)
     reply = cluster.chat(QUESTION, SHORT).finish(60)
     assert reply.ended.get("done"), reply.ended
     assert reply.text == expected[QUESTION]
@@ -293,9 +299,7 @@ def test_kv_crosses_the_prefill_hosts_link(cluster: Cluster, expected) -> None:
     blocks = -(-reply.usage["prompt_tokens"] // BLOCK)
     assert kv == blocks * BLOCK * KV_BYTES_PER_TOKEN
     assert reply.served_by["prefill_worker_id"] == "prefill"
-    assert cluster.metric("prefill", "pdserve:kv_transfer_bytes_total", 'transport="tcp"') == (
-        sent + kv
-    )
+    assert cluster.metric("prefill", "pdserve:kv_transfer_bytes_total", label) == sent + kv
     after = {name: cluster.host(name).counters() for name in ("prefill", *DECODES)}
     assert after["prefill"]["tx"] - before["prefill"]["tx"] >= kv, (before, after, kv)
     receiver = reply.served_by["decode_worker_id"]
