@@ -71,6 +71,12 @@ def add_chaos_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="longest wait for free KV blocks after the run (default: the prefill deadline + 5 s)",
     )
+    p.add_argument(
+        "--transport",
+        default=d.transport,
+        help="the decode workers' KV transports, a comma list given round-robin "
+        "(shm, tcp, mooncake; default: %(default)s)",
+    )
     p.add_argument("--log-dir", default=None, help="the stack's logs (default: a new temp dir)")
     p.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
 
@@ -90,6 +96,7 @@ def config_from(args: argparse.Namespace) -> ChaosConfig:
         prefill_deadline_s=args.prefill_deadline_s,
         lease_wait_s=args.lease_wait_s,
         log_dir=args.log_dir,
+        transport=args.transport,
     )
 
 

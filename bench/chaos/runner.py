@@ -54,6 +54,7 @@ class ChaosConfig:
     prefill_deadline_s: float = 30.0
     lease_wait_s: float | None = None
     log_dir: str | None = None
+    transport: str = "shm,tcp"  # the decode workers' KV transports, round-robin
 
     @property
     def lease_wait(self) -> float:
@@ -89,7 +90,7 @@ def run(cfg: ChaosConfig, say: Callable[[str], None] = _say) -> ChaosReport:
             "--decode",
             str(cfg.decode),
             "--transport",
-            "shm,tcp",
+            cfg.transport,
             "--kv-cache-mib",
             str(cfg.kv_cache_mib),
             "--http-port",

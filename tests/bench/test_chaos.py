@@ -1,12 +1,15 @@
 """``bench/chaos``: the pure parts (plan, parsing, verdicts), then a small chaos run against
-a real stack: 40 greedy requests through injected transfer faults and kill -9 of a prefill
-worker, a decode worker and Redis, meeting the whole acceptance."""
+a real stack (decode workers over shm and tcp, then over mooncake): 32 greedy requests
+through injected transfer faults and kill -9 of a prefill worker, a decode worker and Redis,
+meeting the whole acceptance."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import replace
 from pathlib import Path
+
+import pytest
 
 from bench.chaos import probes
 from bench.chaos.client import Outcome
@@ -79,9 +82,11 @@ def test_metrics_and_the_gateway_log_are_read(tmp_path: Path) -> None:
     assert probes.migrated_requests(log) == {"r1": ["prefill_failed"]}
 
 
-def test_a_small_chaos_run_meets_the_acceptance(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["shm,tcp", "mooncake"])
+def test_a_small_chaos_run_meets_the_acceptance(tmp_path: Path, transport: str) -> None:
     report = run(
         ChaosConfig(
+            transport=transport,
             requests=32,
             concurrency=16,
             max_tokens=12,
