@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -77,13 +78,16 @@ class TransferResult:
 
     ``seconds`` runs from the job's first layer to its confirmation (it overlaps compute);
     ``wait_seconds`` from ``finish()`` to the confirmation: the transfer's cost to time to
-    first token.
+    first token. ``present_at_finish``: the bytes the writer had delivered when ``finish()``
+    was called, i.e. when the prefill's forward pass ended (shm: copied; mooncake: applied
+    and acknowledged; tcp: handed to the socket), the layer-wise overlap.
     """
 
     bytes: int
     seconds: float
     layers: int
     wait_seconds: float
+    present_at_finish: int = 0
 
 
 @dataclass(frozen=True)
@@ -237,7 +241,7 @@ class TransferJob:
         """No more layers: the outcome, resolved once every written layer is confirmed in
         the target's memory (or with the failure). Its bytes in the source pool must not
         change until then. Idempotent."""
-        self._writer.post(("finish", self, None))
+        self._writer.post(("finish", self, time.monotonic()))
         return self.outcome
 
     def abort(self, reason: str = "aborted") -> Future[TransferResult]:

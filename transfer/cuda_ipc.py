@@ -161,7 +161,7 @@ class CudaIpcWriter(OwnerThreadWriter):
                     self._src_rows[start:stop, :, s : s + n], non_blocking=True
                 )
         self._stream.synchronize()
-        work.bytes_moved += (stop - start) * 2 * sum(n for _, _, n in work.job.plan.runs)
+        self._landed(work, (stop - start) * 2 * sum(n for _, _, n in work.job.plan.runs))
         self._moved(work, start, stop)
 
     def _end(self, work: JobWork) -> None:

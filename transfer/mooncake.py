@@ -220,7 +220,7 @@ class MooncakeWriter(OwnerThreadWriter):
                     continue
                 del work.in_flight[batch]
                 if status == _COMPLETED:
-                    work.bytes_moved += n
+                    self._landed(work, n)
                 else:
                     failed += 1
             if failed:

@@ -221,7 +221,7 @@ class ShmWriter(OwnerThreadWriter):
             for a in range(start, stop, per_piece):
                 b = min(stop, a + per_piece)
                 np.copyto(self._dst_rows[a:b, :, d : d + n], self._src_rows[a:b, :, s : s + n])
-                work.bytes_moved += (b - a) * 2 * n
+                self._landed(work, (b - a) * 2 * n)
                 self._take_messages()
                 if work.done:
                     return

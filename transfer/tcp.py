@@ -271,7 +271,7 @@ class TcpWriter(OwnerThreadWriter):
                 continue
             conn.outbox.popleft()
             if head.work is not None:
-                head.work.bytes_moved += head.payload
+                self._landed(head.work, head.payload)
         if conn.blocked and not conn.dead:  # drained: stop waiting for room
             conn.blocked = False
             self._watch_conn(conn, selectors.EVENT_READ)

@@ -94,6 +94,7 @@ class JobWork(Owned):
         self.written = 0  # bit i: layer i was written
         self.pending = 0  # written, not yet moved
         self.bytes_moved = 0
+        self.landings: list[tuple[float, int]] = []  # (when, bytes_moved then), in order
         self.ending = False  # finish() came
         self.ended = False  # _end ran
         self.error: TransferError | None = None  # set once: the job failed
@@ -324,7 +325,7 @@ class OwnerThreadWriter(RegionWriter):
                 self._on_layer(work, arg)
             elif kind == "finish" and not work.ending:
                 work.ending = True
-                work.finish_at = time.monotonic()
+                work.finish_at = arg if isinstance(arg, float) else time.monotonic()
             elif kind == "abort":
                 self._fail(
                     work, TransferError(f"transfer of {job.request_id!r} {arg}"), aborted=True
@@ -374,9 +375,14 @@ class OwnerThreadWriter(RegionWriter):
         work.written |= bit
         work.pending |= bit
 
+    def _landed(self, work: JobWork, nbytes: int) -> None:
+        """``nbytes`` more of ``work`` were delivered (transports call this as they go)."""
+        work.bytes_moved += nbytes
+        work.landings.append((time.monotonic(), work.bytes_moved))
+
     def _moved(self, work: JobWork, start: int, stop: int) -> None:
         """Layers ``[start, stop)`` of ``work`` left its pending set (transports count the
-        bytes in ``work.bytes_moved`` as they go)."""
+        bytes with ``_landed`` as they are delivered)."""
         work.pending &= ~((1 << stop) - (1 << start))
 
     def _end_ready(self) -> None:
@@ -422,6 +428,9 @@ class OwnerThreadWriter(RegionWriter):
                 seconds=now - first,
                 layers=work.written.bit_count(),
                 wait_seconds=now - finish_at,
+                present_at_finish=max(
+                    (moved for at, moved in work.landings if at <= finish_at), default=0
+                ),
             )
         )
 

@@ -63,6 +63,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         metrics.PROMPT_TOKENS_COMPUTED.labels(ROLE)
         for name in transports:  # export the series at 0 before the first transfer
             metrics.TRANSFER_BYTES.labels(ROLE, name)
+            metrics.KV_OVERLAP.labels(ROLE, name)
 
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -122,12 +123,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         metrics.PROMPT_TOKENS_COMPUTED.labels(ROLE).inc(computed)
         metrics.TRANSFER_BYTES.labels(ROLE, dest.handle.transport).inc(result.bytes)
         metrics.TRANSFER_SECONDS.labels(ROLE, dest.handle.transport).observe(result.seconds)
+        overlap = result.present_at_finish / result.bytes if result.bytes else 1.0
+        metrics.KV_OVERLAP.labels(ROLE, dest.handle.transport).observe(overlap)
         log.info(
             "prefilled",
             prompt_tokens=len(ids),
             cached_tokens=out.num_cached_tokens,
             present_tokens=dest.present_blocks * dest.handle.layout.block_size,
             kv_bytes=result.bytes,
+            kv_present_at_compute_end=round(overlap, 3),
             compute_s=round(sent.compute_seconds, 4),
             transfer_tail_s=round(sent.tail_seconds, 4),
         )

@@ -132,6 +132,8 @@ async def test_disaggregated_equals_colocated(cluster, prompts, expected, transp
     dec, pre = procs[transport], procs["prefill"]
     before = _metric(ports[transport], "pdserve:kv_transfer_bytes_total")
     present_before = _metric(ports[transport], "pdserve:prompt_tokens_cached_total")
+    overlap = f"http://127.0.0.1:{ports['prefill']}/metrics", f'transport="{transport}"'
+    overlaps_before = metric(overlap[0], "pdserve:kv_transfer_overlap_ratio_count", overlap[1])
     results = await asyncio.gather(
         *(
             _generate(dec.address, _request(f"{transport}-{i}", ids, pre.address))
@@ -147,6 +149,11 @@ async def test_disaggregated_equals_colocated(cluster, prompts, expected, transp
     assert sum(last.kv_transfer_bytes for _, last in results) == want
     after = _metric(ports[transport], "pdserve:kv_transfer_bytes_total")
     assert after - before == want
+    # each transfer's layer-wise overlap, a share in [0, 1], is observed once per request
+    overlaps = metric(overlap[0], "pdserve:kv_transfer_overlap_ratio_count", overlap[1])
+    assert overlaps - overlaps_before == len(prompts)
+    ratio_sum = metric(overlap[0], "pdserve:kv_transfer_overlap_ratio_sum", overlap[1])
+    assert 0.0 <= ratio_sum <= overlaps
     # every engine step is timed: decode steps here, prefill batches on the prefill worker
     assert _metric(ports[transport], "pdserve:engine_step_seconds_count") >= MAX_TOKENS - 1
     assert _metric(ports["prefill"], "pdserve:engine_step_seconds_count") >= 1

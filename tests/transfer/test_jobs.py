@@ -51,7 +51,7 @@ BIG = KVLayout(
 )
 
 
-@pytest.fixture(params=["shm", "tcp"])
+@pytest.fixture(params=["shm", "tcp", "mooncake"])
 def pair(request: pytest.FixtureRequest) -> Iterator[tuple[KVRegion, RegionWriter]]:
     """A region (in this process) filled with the destination pattern, and a writer to it."""
     with get_transport(request.param) as target, get_transport(request.param) as initiator:
@@ -78,12 +78,15 @@ def test_layers_move_while_the_caller_computes_before_finish(
         job.write_layer(layer)
         # The owner moves the layer while the next one "computes": before finish().
         assert wait_until(lambda layer=layer: _layer_landed(region, layer), 5)
+        time.sleep(0.05)  # the rest of that compute: the writer has counted it delivered
     assert job.state is JobState.TRANSFERRING
     job.write_layer(3)
     result = job.finish().result(10)
     per_layer = len(SRC_IDS) * 2 * SRC_LAYOUT.block_bytes
     assert (result.bytes, result.layers) == (4 * per_layer, 4)
     assert 0 <= result.wait_seconds <= result.seconds
+    # The layer-wise overlap: three of four layers were there when the compute ended.
+    assert 3 * per_layer <= result.present_at_finish <= 4 * per_layer
     assert job.state is JobState.SUCCESS and job.error is None
     assert torch.equal(region.tensor, _want([0, 1, 2, 3]))
     stats = writer.stats()
