@@ -78,16 +78,16 @@ class TransferResult:
 
     ``seconds`` runs from the job's first layer to its confirmation (it overlaps compute);
     ``wait_seconds`` from ``finish()`` to the confirmation: the transfer's cost to time to
-    first token. ``present_at_finish``: the bytes the writer had delivered when ``finish()``
-    was called, i.e. when the prefill's forward pass ended (shm: copied; mooncake: applied
-    and acknowledged; tcp: handed to the socket), the layer-wise overlap.
+    first token. ``present_at_last_layer``: the bytes the writer had delivered when the last
+    layer was handed to it, i.e. when the prefill computed its last layer (shm: copied;
+    mooncake: applied and acknowledged; tcp: handed to the socket): the layer-wise overlap.
     """
 
     bytes: int
     seconds: float
     layers: int
     wait_seconds: float
-    present_at_finish: int = 0
+    present_at_last_layer: int = 0
 
 
 @dataclass(frozen=True)
@@ -235,7 +235,7 @@ class TransferJob:
         ``ready``: the source bytes are still on their way into the source pool (a GPU
         engine's layer staged to host memory, engine/kv_staging.py); the writer calls
         ``ready(job deadline)`` before it reads them, and a False fails the job."""
-        self._writer.post(("layer", self, (layer, ready)))
+        self._writer.post(("layer", self, (layer, ready, time.monotonic())))
 
     def finish(self) -> Future[TransferResult]:
         """No more layers: the outcome, resolved once every written layer is confirmed in

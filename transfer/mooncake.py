@@ -125,7 +125,7 @@ class MooncakeRegion(KVRegion):
             region_id=uuid.uuid4().hex,
         )
         super().__init__(handle, tensor)
-        self._engine = transport.engine
+        self._transport = transport
         self._base = base
         self._closed = False
 
@@ -137,7 +137,9 @@ class MooncakeRegion(KVRegion):
         """Unregister the pool: the engine refuses writes into it from now on."""
         if not self._closed:
             self._closed = True
-            self._engine.unregister_memory(self._base)
+            engine = self._transport.engine
+            if engine is not None:  # else the transport closed, and the engine with it
+                engine.unregister_memory(self._base)
 
 
 class MooncakeWork(JobWork):
@@ -154,19 +156,22 @@ class MooncakeWriter(OwnerThreadWriter):
     thread, through the transport's engine."""
 
     def __init__(
-        self, handle: MemoryRegionHandle, source: KVSource, engine: Any, connect_timeout: float
+        self, handle: MemoryRegionHandle, source: KVSource, transport: MooncakeTransport
     ) -> None:
         if source.tensor.device.type != "cpu":
             raise TransferError(f"mooncake sends from host memory, not {source.tensor.device}")
         super().__init__(handle, source)
         self._segment, self._base = parse_address(handle.address)
         self._src_base = source.tensor.data_ptr()
-        self._engine = engine
+        # Through the transport, never a reference of its own: the engine must go when the
+        # transport closes (MooncakeTransport.close).
+        self._transport = transport
         # The engine dials the segment at the first write, on the owner thread and with no
         # deadline of its own: check here (the caller's thread) that it answers at all.
         host, _, port = self._segment.rpartition(":")
         try:
-            socket.create_connection((host.strip("[]"), int(port)), connect_timeout).close()
+            address = (host.strip("[]"), int(port))
+            socket.create_connection(address, transport.connect_timeout).close()
         except OSError as exc:
             raise TransferError(f"cannot reach mooncake segment {self._segment}: {exc}") from exc
         self._launch()
@@ -202,7 +207,7 @@ class MooncakeWriter(OwnerThreadWriter):
             self._inject(work)
             for layer in range(start, stop):
                 for src, dst, n in work.job.plan.ranges(layer):
-                    batch = self._engine.transfer_submit_write(
+                    batch = self._transport.engine.transfer_submit_write(
                         self._segment, self._src_base + src, self._base + dst, n
                     )
                     if not 0 < batch < 1 << 63:  # 0 or a negative batch id: not submitted
@@ -215,7 +220,7 @@ class MooncakeWriter(OwnerThreadWriter):
         for work in self._all_works():
             failed = 0
             for batch, n in list(work.in_flight.items()):
-                status = self._engine.transfer_check_status(batch)
+                status = self._transport.engine.transfer_check_status(batch)
                 if status == _IN_FLIGHT:
                     continue
                 del work.in_flight[batch]
@@ -272,7 +277,7 @@ class MooncakeTransport(Transport):
     ) -> None:
         super().__init__()
         self.protocol = resolve_protocol(protocol, list(devices) or rdma_devices())
-        self.engine = load_engine()
+        self.engine: Any = load_engine()  # None once closed
         rc = self.engine.initialize(host, "P2PHANDSHAKE", self.protocol, ",".join(devices))
         if rc != 0:
             raise TransferError(
@@ -298,11 +303,18 @@ class MooncakeTransport(Transport):
             with self._sources_lock:
                 self._sources.discard(base)
             raise TransferError(f"mooncake could not register the {length}-byte source pool")
-        return MooncakeWriter(handle, source, self.engine, self.connect_timeout)
+        return MooncakeWriter(handle, source, self)
 
     def close(self) -> None:
+        """Close every writer and region, then the engine itself. Its teardown takes most of
+        a second and holds the GIL: here, once, rather than wherever the garbage collector
+        would happen to drop the last reference."""
         super().close()
+        engine, self.engine = self.engine, None
+        if engine is None:
+            return
         with self._sources_lock, contextlib.suppress(Exception):
             for base in self._sources:
-                self.engine.unregister_memory(base)
+                engine.unregister_memory(base)
             self._sources.clear()
+        del engine  # the last reference: the engine stops here

@@ -100,6 +100,7 @@ class JobWork(Owned):
         self.error: TransferError | None = None  # set once: the job failed
         self.first_write_at: float | None = None
         self.finish_at: float | None = None
+        self.last_layer_at = 0.0  # when the caller handed over its latest layer
         self.faults: tuple[bool, bool, bool] | None = None  # (fail, stall, drop), when drawn
 
     @property
@@ -346,8 +347,8 @@ class OwnerThreadWriter(RegionWriter):
         self._works[job.request_id] = work
 
     def _on_layer(self, work: JobWork, arg: object) -> None:
-        assert isinstance(arg, tuple)  # (layer, ready): what write_layer posts
-        layer, ready = arg
+        assert isinstance(arg, tuple)  # (layer, ready, when): what write_layer posts
+        layer, ready, posted_at = arg
         try:
             check_layer(layer, work.job.plan.num_layers)
         except TransferError as exc:
@@ -372,6 +373,7 @@ class OwnerThreadWriter(RegionWriter):
             return
         if work.first_write_at is None:
             work.first_write_at = time.monotonic()
+        work.last_layer_at = max(work.last_layer_at, posted_at)
         work.written |= bit
         work.pending |= bit
 
@@ -428,8 +430,9 @@ class OwnerThreadWriter(RegionWriter):
                 seconds=now - first,
                 layers=work.written.bit_count(),
                 wait_seconds=now - finish_at,
-                present_at_finish=max(
-                    (moved for at, moved in work.landings if at <= finish_at), default=0
+                present_at_last_layer=max(
+                    (moved for at, moved in work.landings if at <= work.last_layer_at),
+                    default=0,
                 ),
             )
         )

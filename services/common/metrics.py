@@ -63,8 +63,8 @@ TRANSFER_SECONDS = Histogram(
 )  # fmt: skip
 KV_OVERLAP = Histogram(
     "pdserve:kv_transfer_overlap_ratio",
-    "Share of a request's KV bytes already delivered to the decode worker when its prefill's "
-    "forward pass ended (layer-wise overlap; tcp counts bytes handed to the socket).",
+    "Share of a request's KV bytes already delivered to the decode worker when its prefill "
+    "computed the last layer (layer-wise overlap; tcp counts bytes handed to the socket).",
     ["role", "transport"], buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0),
 )  # fmt: skip
 KV_FENCES = Counter(

@@ -123,7 +123,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         metrics.PROMPT_TOKENS_COMPUTED.labels(ROLE).inc(computed)
         metrics.TRANSFER_BYTES.labels(ROLE, dest.handle.transport).inc(result.bytes)
         metrics.TRANSFER_SECONDS.labels(ROLE, dest.handle.transport).observe(result.seconds)
-        overlap = result.present_at_finish / result.bytes if result.bytes else 1.0
+        overlap = result.present_at_last_layer / result.bytes if result.bytes else 1.0
         metrics.KV_OVERLAP.labels(ROLE, dest.handle.transport).observe(overlap)
         log.info(
             "prefilled",
