@@ -3,6 +3,7 @@ target process (protocol tcp here: no RDMA device on these machines)."""
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -159,3 +160,12 @@ def test_a_region_is_a_registered_pool_the_engine_unregisters_on_close() -> None
         region.close()
         assert region.closed
         region.close()  # idempotent
+
+
+def test_a_missing_transfer_engine_is_an_error_naming_the_packages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # as if not installed
+    with pytest.raises(TransferError, match="mooncake-transfer-engine-non-cuda") as e:
+        MooncakeTransport(protocol="tcp")
+    assert "libibverbs1" in str(e.value)
