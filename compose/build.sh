@@ -19,7 +19,9 @@ PY=${PYTHON:-python3}
 SUITE=bookworm
 
 PYTHON_BASE=pdserve/python:bookworm
-PYTHON_PACKAGES=python3,python3-venv,python3-dev,g++,ca-certificates
+# libibverbs: Mooncake's Transfer Engine links it even over TCP (ibverbs-providers: the NICs'
+# drivers, for RDMA).
+PYTHON_PACKAGES=python3,python3-venv,python3-dev,g++,ca-certificates,libibverbs1,ibverbs-providers
 REDIS_BASE=pdserve/redis:bookworm
 REDIS_PACKAGES=redis-server
 PROMETHEUS_BASE=pdserve/prometheus:bookworm  # the compose profile `monitoring`

