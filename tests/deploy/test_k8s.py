@@ -30,7 +30,10 @@ from tests.deploy.k8s_stack import POD_IP, Service, Stack, parse_container
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
-KUSTOMIZATIONS = ["base", "dev-secrets", "monitoring", "overlays/autoscaling", "overlays/example"]
+KUSTOMIZATIONS = [
+    "base", "dev-secrets", "monitoring", "overlays/autoscaling", "overlays/example",
+    "overlays/rdma",
+]  # fmt: skip
 Objects = list[dict[str, Any]]
 
 
@@ -107,7 +110,9 @@ def test_validate_agrees_with_kubernetes_validate(base: Objects) -> None:
     assert len(validate([bad])) == 2  # once per version
 
 
-@pytest.mark.parametrize("directory", ["base", "overlays/autoscaling", "overlays/example"])
+@pytest.mark.parametrize(
+    "directory", ["base", "overlays/autoscaling", "overlays/example", "overlays/rdma"]
+)
 def test_stack_agrees_with_the_code(directory: str) -> None:
     assert check_stack(_with_secrets(directory)) == []
 
@@ -137,6 +142,20 @@ def test_example_overlay_changes_image_and_decode_replicas(base: Objects) -> Non
     images = {_container(example, n)["image"] for n in pdserve}
     assert images == {"registry.example.com/pdserve:0.1.0"}
     assert _container(example, "redis", "StatefulSet")["image"] == "redis:7"
+
+
+def test_the_rdma_overlay_moves_kv_over_mooncakes_rdma_with_the_nics_in_the_pods() -> None:
+    rdma = _with_secrets("overlays/rdma")
+    svc = _services(rdma)
+    decode, prefill = svc["services.decode"].cfg, svc["services.prefill"].cfg
+    assert (decode.transport, decode.mooncake.mooncake_protocol) == ("mooncake", "rdma")
+    assert (prefill.transports, prefill.mooncake.mooncake_protocol) == (("mooncake",), "rdma")
+    for name in ("decode", "prefill"):
+        pod = _find(rdma, "Deployment", name)["spec"]["template"]["spec"]
+        assert (pod["hostNetwork"], pod["dnsPolicy"]) == (True, "ClusterFirstWithHostNet")
+        container = _container(rdma, name)
+        assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        assert container["resources"]["limits"]["rdma/hca_shared_devices_a"] == "1"
 
 
 def test_worker_series_come_from_the_code() -> None:
