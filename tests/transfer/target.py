@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import socket
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
@@ -89,6 +90,27 @@ def push_requests(
         for job in jobs:
             job.write_layer(layer)
     return [job.finish().result(timeout + 5) for job in jobs]
+
+
+def assert_pushed(writer: RegionWriter, target: Target, results: list[TransferResult]) -> None:
+    """``push_requests(writer)``'s ``results`` and ``target``'s pool agree with ``MOVES``:
+    both requests landed exactly where they belong (the check can fail: without the second
+    request's blocks the pools differ), and the writer counted them."""
+    assert [r.bytes for r in results] == MOVE_BYTES
+    assert [r.layers for r in results] == [3, 3]
+    assert target.verify(SRC_LAYOUT, MOVES, LAYERS) == 0
+    assert target.verify(SRC_LAYOUT, MOVES[:1], LAYERS) > 0
+    sent = writer.stats()
+    assert (sent.bytes, sent.jobs, sent.failures) == (sum(MOVE_BYTES), 2, 0)
+
+
+def closed_by_peer(sock: socket.socket, within: float = 5.0) -> bool:
+    """Whether the peer closes ``sock`` within ``within`` seconds."""
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
 
 
 def serve(conn: Connection, transport: str, opts: dict[str, Any], layout: dict) -> None:

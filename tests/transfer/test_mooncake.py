@@ -12,10 +12,10 @@ import torch
 from tests.transfer.target import (
     DST_LAYOUT,
     LAYERS,
-    MOVE_BYTES,
     MOVES,
     SRC_LAYOUT,
     Target,
+    assert_pushed,
     push_requests,
     source,
 )
@@ -36,13 +36,7 @@ def test_writes_land_exactly_in_a_target_process() -> None:
         src = source()
         writer = transport.connect(target.handle, src)
         assert transport.connect(target.handle, src) is writer  # cached per region and source
-        results = push_requests(writer)
-        assert [r.bytes for r in results] == MOVE_BYTES
-        assert [r.layers for r in results] == [3, 3]
-        assert target.verify(SRC_LAYOUT, MOVES, LAYERS) == 0
-        assert target.verify(SRC_LAYOUT, MOVES[:1], LAYERS) > 0  # the check can fail
-        sent = writer.stats()
-        assert (sent.bytes, sent.jobs, sent.failures) == (sum(MOVE_BYTES), 2, 0)
+        assert_pushed(writer, target, push_requests(writer))
 
         target.kill()  # nobody listens any more: the next job fails, and fast
         started = time.monotonic()

@@ -17,7 +17,9 @@ from tests.transfer.target import (
     MOVES,
     SRC_LAYOUT,
     Target,
+    assert_pushed,
     blocks_view,
+    closed_by_peer,
     expected_pool,
     pattern,
     push_requests,
@@ -41,28 +43,14 @@ from transfer.writer import DRAIN_TIMEOUT_S
 pytestmark = pytest.mark.timeout(60)
 
 
-def _closed_by_peer(sock: socket.socket, within: float = 5.0) -> bool:
-    sock.settimeout(within)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
-
-
 def test_writes_land_exactly_in_a_target_process() -> None:
     with TcpTransport() as transport, Target("tcp", DST_LAYOUT) as target:
         src = source()
         writer = transport.connect(target.handle, src)
         assert transport.connect(target.handle, src) is writer  # cached per region and source
-        results = push_requests(writer)
-        assert [r.bytes for r in results] == MOVE_BYTES
-        assert [r.layers for r in results] == [3, 3]
-        assert target.verify(SRC_LAYOUT, MOVES, LAYERS) == 0
-        assert target.verify(SRC_LAYOUT, MOVES[:1], LAYERS) > 0  # the check can fail
+        assert_pushed(writer, target, push_requests(writer))
         seen = target.stats()
         assert (seen.bytes, seen.jobs, seen.failures) == (sum(MOVE_BYTES), 2, 0)
-        sent = writer.stats()
-        assert (sent.bytes, sent.jobs, sent.failures) == (sum(MOVE_BYTES), 2, 0)
 
         target.close()  # the process exits: nobody listens any more
         started = time.monotonic()
@@ -136,7 +124,7 @@ def test_bad_frames_close_only_their_connection() -> None:
         for count, data in enumerate(garbage, start=1):
             with socket.create_connection((host, port), timeout=5) as sock:
                 sock.sendall(data)
-                assert _closed_by_peer(sock)
+                assert closed_by_peer(sock)
             assert wait_until(lambda n=count: transport.rejected_connections == n, 2)
         # A writer holding a handle with the wrong key cannot write either.
         forged = dataclasses.replace(region.handle, key="00" * 16, region_id="forged")
@@ -179,7 +167,7 @@ def test_malformed_and_truncated_frames_are_rejected_with_a_reason(
                 sock.sendall(data)
                 if "truncated" in reason:
                     sock.shutdown(socket.SHUT_WR)  # the writer died mid-frame
-                assert _closed_by_peer(sock)
+                assert closed_by_peer(sock)
             assert wait_until(lambda n=count: transport.rejected_connections == n, 2)
             assert reason in caplog.text
         # Only the truncated payload's 40 bytes landed, scattered as its list said: 32 at 0,
@@ -204,7 +192,7 @@ def test_receiver_drops_clients_that_go_silent() -> None:
         with socket.create_connection((host, port)) as stalled:
             stalled.sendall(encode_data(key, 1, [(0, 1000)], 1000) + b"x" * 10)
             started = time.monotonic()
-            assert _closed_by_peer(stalled)  # mid-frame silence: io_timeout
+            assert closed_by_peer(stalled)  # mid-frame silence: io_timeout
             assert 0.25 <= time.monotonic() - started < 2.0
         with socket.create_connection((host, port)) as idle:
             idle.sendall(Frame(FrameKind.ABORT, key, 1).encode())  # a first frame, answered
@@ -212,7 +200,7 @@ def test_receiver_drops_clients_that_go_silent() -> None:
             ack = Frame.decode(idle.recv(HEADER_SIZE, socket.MSG_WAITALL))
             assert (ack.kind, ack.tag, ack.status) == (FrameKind.ACK, 1, AckStatus.DROPPED)
             started = time.monotonic()
-            assert _closed_by_peer(idle)  # between frames: idle_timeout
+            assert closed_by_peer(idle)  # between frames: idle_timeout
             assert 0.45 <= time.monotonic() - started < 2.0
         # A writer whose idle connection was closed reconnects on its next job.
         writer = transport.connect(region.handle, source())

@@ -25,6 +25,7 @@ from tests.transfer.target import (
     MOVE_BYTES,
     MOVES,
     blocks_view,
+    closed_by_peer,
     pattern,
     push_requests,
     source,
@@ -56,14 +57,6 @@ def hold(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, thr
     monkeypatch.setattr(tcp_receiver, "recv_views", holding)
     yield held, release
     release.set()
-
-
-def _closed_by_peer(sock: socket.socket, within: float = 5.0) -> bool:
-    sock.settimeout(within)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
 
 
 def _kept_open(address: tuple[str, int], within: float = 0.3) -> bool:
@@ -153,7 +146,7 @@ def test_connections_over_the_cap_are_closed_at_once() -> None:
         # A silent second one fills the cap; a third is one too many.
         with socket.create_connection(address), socket.create_connection(address) as extra:
             started = time.monotonic()
-            assert _closed_by_peer(extra)
+            assert closed_by_peer(extra)
             assert time.monotonic() - started < 1.0
             assert target.rejected_connections == 1
             # The writer's connection, within the cap, is served.
@@ -169,7 +162,7 @@ def test_a_connection_that_sends_nothing_is_closed_after_io_timeout() -> None:
         region = target.register(DST_LAYOUT)
         with socket.create_connection(parse_address(region.handle.address)) as silent:
             started = time.monotonic()
-            assert _closed_by_peer(silent)
+            assert closed_by_peer(silent)
             assert 0.25 <= time.monotonic() - started < 2.0
 
 
@@ -189,7 +182,7 @@ def test_a_thread_that_cannot_start_costs_one_connection_not_the_acceptor(
 
         monkeypatch.setattr(tcp_receiver.threading.Thread, "start", start)
         with socket.create_connection(parse_address(region.handle.address)) as doomed:
-            assert _closed_by_peer(doomed)
+            assert closed_by_peer(doomed)
         assert refused and target.rejected_connections == 1
         assert target.healthy
         # The acceptor goes on, and the failed connection gave its slot (the only one) back.
@@ -209,7 +202,7 @@ def test_a_receiver_whose_acceptor_died_is_not_healthy(monkeypatch: pytest.Monke
         monkeypatch.setattr(tcp_receiver, "tune_socket", broken)
         address = parse_address(region.handle.address)
         with socket.create_connection(address) as sock:
-            assert _closed_by_peer(sock)
+            assert closed_by_peer(sock)
         deadline = time.monotonic() + 5
         while target.healthy:
             assert time.monotonic() < deadline, "the acceptor did not stop"
