@@ -191,17 +191,12 @@ class MooncakeWriter(OwnerThreadWriter):
         return [w for w in works if isinstance(w, MooncakeWork)]
 
     def _move(self) -> None:
-        for work in list(self._works.values()):
-            if work.pending and not work.done:
-                assert isinstance(work, MooncakeWork)
-                try:
-                    self._submit(work)
-                except TransferError as exc:
-                    self._fail(work, exc)
+        self._each_pending(self._submit)
         self._poll()
 
-    def _submit(self, work: MooncakeWork) -> None:
+    def _submit(self, work: JobWork) -> None:
         """Submit every pending layer run of ``work``, one write per byte range."""
+        assert isinstance(work, MooncakeWork)
         while work.pending:
             start, stop = lowest_run(work.pending)
             self._inject(work)

@@ -169,18 +169,13 @@ class TcpWriter(OwnerThreadWriter):
             self._kill(self._conn, "injected fault: connection dropped")
 
     def _move(self) -> None:
-        for work in list(self._works.values()):
-            if work.pending and not work.done:
-                assert isinstance(work, TcpWork)
-                try:
-                    self._frame(work)
-                except TransferError as exc:
-                    self._fail(work, exc)
+        self._each_pending(self._frame)
         if self._conn is not None:
             self._flush(self._conn)
 
-    def _frame(self, work: TcpWork) -> None:
+    def _frame(self, work: JobWork) -> None:
         """Queue ``work``'s pending layers as DATA frames; bind it to the connection first."""
+        assert isinstance(work, TcpWork)
         if work.conn is None:
             work.conn = self._connection(work)
             work.tag = next(self._tags)  # never reused: a late ACK cannot complete another job

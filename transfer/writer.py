@@ -198,6 +198,17 @@ class OwnerThreadWriter(RegionWriter):
         """Move what the started jobs have pending (``_moved`` for each layer run taken).
         May take messages in between (``_take_messages``) so an abort stops a long copy."""
 
+    def _each_pending(self, step: Callable[[JobWork], None]) -> None:
+        """``step(work)`` for every job with layers pending (the ``_move`` of writers that
+        queue a job's bytes: tcp frames them, mooncake submits them); a ``TransferError``
+        it raises fails that job alone."""
+        for work in list(self._works.values()):
+            if work.pending and not work.done:
+                try:
+                    step(work)
+                except TransferError as exc:
+                    self._fail(work, exc)
+
     def _copy_pending(self, copy: Callable[[JobWork, int, int], None]) -> None:
         """The ``_move`` of writers whose copy is the delivery (shm, cuda_ipc): every job's
         lowest run of pending layers in turn, through ``copy(work, start, stop)`` (which
