@@ -19,9 +19,9 @@ PY=${PYTHON:-python3}
 SUITE=bookworm
 
 PYTHON_BASE=pdserve/python:bookworm
-# libibverbs: Mooncake's Transfer Engine links it even over TCP (ibverbs-providers: the NICs'
-# drivers, for RDMA).
-PYTHON_PACKAGES=python3,python3-venv,python3-dev,g++,ca-certificates,libibverbs1,ibverbs-providers
+# Mooncake's Transfer Engine links libibverbs (even over TCP; ibverbs-providers: the NICs'
+# drivers, for RDMA), libnuma and libcurl.
+PYTHON_PACKAGES=python3,python3-venv,python3-dev,g++,ca-certificates,libibverbs1,ibverbs-providers,libnuma1,libcurl4
 REDIS_BASE=pdserve/redis:bookworm
 REDIS_PACKAGES=redis-server
 PROMETHEUS_BASE=pdserve/prometheus:bookworm  # the compose profile `monitoring`

@@ -11,8 +11,12 @@ PY=${PYTHON:-python3}
 # the tests also run a real Prometheus against the services' /metrics.
 apt_packages=()
 command -v redis-server >/dev/null 2>&1 || apt_packages+=(redis-server)
-# Mooncake's Transfer Engine (the mooncake KV transport) links libibverbs even over TCP.
-ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || apt_packages+=(libibverbs1 ibverbs-providers)
+# Mooncake's Transfer Engine (the mooncake KV transport) links libibverbs (even over TCP),
+# libnuma and libcurl.
+for lib in libibverbs.so.1:libibverbs1 libibverbs.so.1:ibverbs-providers libnuma.so.1:libnuma1 \
+  libcurl.so.4:libcurl4; do
+  ldconfig -p 2>/dev/null | grep -q "${lib%%:*} " || apt_packages+=("${lib##*:}")
+done
 [[ "${1:-}" == "--test" ]] && ! command -v prometheus >/dev/null 2>&1 && apt_packages+=(prometheus)
 if ((${#apt_packages[@]})); then
   if [[ $(id -u) -eq 0 ]]; then

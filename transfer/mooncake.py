@@ -47,7 +47,8 @@ TRANSPORT_NAME = "mooncake"
 PROTOCOLS = ("auto", "tcp", "rdma")
 INSTALL_HINT = (
     "pip install mooncake-transfer-engine-non-cuda (mooncake-transfer-engine on CUDA "
-    "machines) and apt-get install libibverbs1 ibverbs-providers"
+    "machines) and apt-get install libibverbs1 ibverbs-providers libnuma1 libcurl4 "
+    "(scripts/setup.sh does both)"
 )
 # While writes are in flight the owner polls them this often: the most a completion waits
 # to be noticed.
