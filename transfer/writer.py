@@ -337,7 +337,8 @@ class OwnerThreadWriter(RegionWriter):
                 self._on_layer(work, arg)
             elif kind == "finish" and not work.ending:
                 work.ending = True
-                work.finish_at = arg if isinstance(arg, float) else time.monotonic()
+                assert isinstance(arg, float)  # when finish() was called: what it posts
+                work.finish_at = arg
             elif kind == "abort":
                 self._fail(
                     work, TransferError(f"transfer of {job.request_id!r} {arg}"), aborted=True
@@ -462,7 +463,7 @@ class OwnerThreadWriter(RegionWriter):
         else:
             self._resolve(work, quiet=left is Drop.QUIET)
 
-    def _resolve(self, work: JobWork, *, quiet: bool = True) -> None:
+    def _resolve(self, work: JobWork, *, quiet: bool) -> None:
         """A failed job's bytes stopped moving (``quiet``: and none can land any more):
         count them, and let its outcome resolve."""
         assert work.error is not None
