@@ -156,6 +156,16 @@ class BlockManager:
                 self._ref_counts[block_id] += 1
         return PrefixHit(block_ids=tuple(hit), num_tokens=len(hit) * self.block_size)
 
+    def cached_prefix_length(self, block_hashes: Sequence[int]) -> int:
+        """How many leading ``block_hashes`` ``match_prefix`` would claim now (claims none)."""
+        n = 0
+        if self.enable_prefix_caching:
+            for block_hash in block_hashes:
+                if block_hash not in self._block_of_hash:
+                    break
+                n += 1
+        return n
+
     def commit_full_block(self, block_id: int, block_hash: int) -> None:
         """Record that owned block ``block_id`` is full and holds the content ``block_hash`` names.
 

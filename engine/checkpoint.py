@@ -7,6 +7,7 @@ implies, and returns them contiguous in the requested dtype.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,3 +143,18 @@ def _validated(config: ModelConfig, tensors: dict[str, Weight], path: Path) -> d
             )
     # Keep only what the decoder uses, in a stable order (e.g. drop rotary_emb.inv_freq).
     return {name: tensors[name] for name in expected}
+
+
+def model_digest(checkpoint: Checkpoint) -> str:
+    """16 hex digits naming the model by its content, not its file: the config and every
+    one-dimensional tensor (the RMSNorm weights, float32 in GGUF and Hugging Face files
+    alike). The same model from either format, in either weight format, has one digest;
+    two fine-tunes of one architecture differ. KV computed by one model is keyed by it
+    (``kvstore.block_format``), so no other model ever loads it."""
+    h = hashlib.blake2b(digest_size=8, person=b"pdserve-model-v1")
+    h.update(repr(checkpoint.config).encode())
+    for name, tensor in checkpoint.tensors.items():
+        if isinstance(tensor, torch.Tensor) and tensor.dim() == 1:
+            h.update(name.encode())
+            h.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()

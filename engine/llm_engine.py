@@ -17,9 +17,10 @@ from pathlib import Path
 import structlog
 import torch
 
+from engine.block_hash import hash_blocks
 from engine.block_manager import BlockManager
 from engine.cache_events import CacheEventLog
-from engine.checkpoint import Checkpoint, load_checkpoint
+from engine.checkpoint import Checkpoint, load_checkpoint, model_digest
 from engine.device import DTYPES, resolve_device, resolve_dtype
 from engine.errors import CapacityError, InvalidRequestError, ResourceExhaustedError
 from engine.kv_cache import KVCache, KVCacheSpec
@@ -237,6 +238,7 @@ class LLMEngine:
         ckpt = checkpoint
         self.config = config
         self.model_config = ckpt.config
+        self.model_digest = model_digest(ckpt)
         self.tokenizer = tokenizer or Tokenizer.from_path(ckpt.path)
         self.device = config.torch_device
         self.model = LlamaModel(
@@ -300,6 +302,12 @@ class LLMEngine:
         # Sequences outside the scheduler: prefill plans awaiting release, and decode
         # reservations awaiting their KV. Their blocks are allocated.
         self._held: dict[str, Sequence] = {}
+        # ``kv_export(hashes, block_ids)``: told, on the engine thread, of full blocks whose
+        # KV this engine computed, while their bytes are still there (a KV store copies
+        # them out: ``kvstore``). Called after a prefill-only pass (the prompt's blocks) and
+        # when a request finishes (the blocks not yet told: its output's, in a decode
+        # worker). It must be quick and must not raise.
+        self.kv_export: Callable[[Seq[int], Seq[int]], None] | None = None
 
     @classmethod
     def from_path(cls, model: str | Path | None = None, **kwargs: object) -> LLMEngine:
@@ -453,6 +461,7 @@ class LLMEngine:
         for it in items:
             self.scheduler.advance(it)
             seq = it.seq
+            self._export(seq)
             tok = sampled[seq.request_id]
             outs.append(
                 PrefillOutput(
@@ -465,6 +474,41 @@ class LLMEngine:
                 )
             )
         return outs
+
+    def _export(self, seq: Sequence) -> None:
+        """Tell ``kv_export`` of ``seq``'s full blocks it has not been told of."""
+        done = seq.num_exported_blocks
+        if self.kv_export is None or len(seq.block_hashes) <= done:
+            return
+        n = len(seq.block_hashes)
+        self.kv_export(seq.block_hashes[done:n], seq.block_table[done:n])
+        seq.num_exported_blocks = n
+
+    # -- loading a prefix computed elsewhere (a KV store) ------------------------------
+    # prefix_hashes -> claim_blocks -> (the loader fills them, off this thread) ->
+    # commit_loaded -> (plan_prefill / add_request / reserve find them as a prefix hit)
+    # -> free_blocks. All on the engine thread but the filling.
+
+    def prefix_hashes(self, token_ids: Seq[int]) -> tuple[int, list[int]]:
+        """The chained hashes of the full blocks a request on ``token_ids`` could reuse
+        (never its last token's), and how many leading ones this pool caches now."""
+        hashes = hash_blocks(list(token_ids[: len(token_ids) - 1]), self.kv_spec.block_size)
+        return self.blocks.cached_prefix_length(hashes), hashes
+
+    def claim_blocks(self, n: int) -> tuple[int, ...]:
+        """``n`` free blocks, held until ``free_blocks``, for a loader to fill;
+        ``ResourceExhaustedError`` (nothing held) when fewer are free."""
+        return tuple(self.blocks.allocate(n))
+
+    def commit_loaded(self, block_ids: Seq[int], block_hashes: Seq[int]) -> None:
+        """Blocks a loader filled with the KV ``block_hashes`` name (a leading run of one
+        prompt's chain) enter the prefix cache; they stay held until ``free_blocks``."""
+        for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
+            self.blocks.commit_full_block(block_id, block_hash)
+
+    def free_blocks(self, block_ids: Seq[int]) -> None:
+        """Drop the hold ``claim_blocks`` took (committed blocks stay cached)."""
+        self.blocks.free(block_ids)
 
     def stage_layer(self, layer: int, block_ids: Seq[int]) -> LayerReady:
         """Engine thread, inside ``run_prefill``'s ``on_layer_kv(layer)``: start copying
@@ -547,6 +591,7 @@ class LLMEngine:
         seq.num_cached_tokens = num_cached_tokens
         self.scheduler.add_running(seq)
         self.scheduler.advance(ScheduledSeq(seq, 0))  # publish the prompt's full blocks
+        seq.num_exported_blocks = len(seq.block_hashes)  # the prefill worker's to export
         self.outputs.add(request_id, seq.params, seq.output_ids)
         return self._emit(seq, first_token, first_logprob)
 
@@ -590,6 +635,7 @@ class LLMEngine:
         room = self.max_model_len - seq.num_tokens
         delta, reason = self.outputs.process(seq.request_id, token_id, room)
         if reason is not None:
+            self._export(seq)
             self.scheduler.finish(seq, reason)
             self.outputs.remove(seq.request_id)
         return RequestOutput(

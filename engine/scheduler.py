@@ -175,6 +175,7 @@ class Scheduler:
         if hit.block_ids:
             seq.block_table = list(hit.block_ids)
             seq.block_hashes = list(hashes[: len(hit.block_ids)])
+            seq.num_exported_blocks = len(hit.block_ids)  # cached: computed or loaded before
             seq.num_computed = hit.num_tokens
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = hit.num_tokens
@@ -185,6 +186,7 @@ class Scheduler:
             self.blocks.free(hit_blocks)
             seq.block_table = []
             seq.block_hashes = []
+            seq.num_exported_blocks = 0
             seq.num_computed = 0
 
     def _preempt(self, seq: Sequence) -> None:
@@ -200,6 +202,7 @@ class Scheduler:
             self.blocks.free(seq.block_table)
         seq.block_table = []
         seq.block_hashes = []
+        seq.num_exported_blocks = 0
         seq.num_computed = 0
 
     # -- after the forward pass ------------------------------------------------------

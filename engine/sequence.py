@@ -42,6 +42,7 @@ class Sequence:
     output_logprobs: list[float] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
+    num_exported_blocks: int = 0  # leading full blocks told to LLMEngine.kv_export
     num_computed: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     num_preemptions: int = 0
