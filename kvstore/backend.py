@@ -57,6 +57,7 @@ class MooncakeOptions:
     protocol: str = "tcp"  # "rdma" where NICs exist
     devices: str = ""  # RDMA devices, comma-separated ("" all)
     ssd_dir: str = ""  # an existing directory: this process's SSD tier ("" none)
+    replicas: int = 1  # copies of each object, in distinct segments (as many as there are)
 
 
 # Mooncake's error codes a put treats as "already stored".
@@ -72,7 +73,7 @@ class MooncakeBackend:
         """Mount this process's segment; ``StoreUnavailable`` when the master is not there
         or Mooncake is not installed."""
         try:
-            from mooncake.store import MooncakeDistributedStore
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         except ImportError as e:
             raise StoreUnavailable(
                 "the KV store needs Mooncake: pip install mooncake-transfer-engine-non-cuda "
@@ -100,6 +101,8 @@ class MooncakeBackend:
         if rc != 0:
             raise StoreUnavailable(f"mooncake store setup against {options.master} failed ({rc})")
         self.options = options
+        self._put_config = ReplicateConfig()
+        self._put_config.replica_num = options.replicas
 
     def register(self, address: int, nbytes: int) -> None:
         rc = self._store.register_buffer(address, nbytes)
@@ -110,7 +113,9 @@ class MooncakeBackend:
         return [r == 1 for r in self._store.batch_is_exist(list(keys))]
 
     def put_from(self, keys: Sequence[str], addresses: Sequence[int], size: int) -> list[bool]:
-        results = self._store.batch_put_from(list(keys), list(addresses), [size] * len(keys))
+        results = self._store.batch_put_from(
+            list(keys), list(addresses), [size] * len(keys), self._put_config
+        )
         return [r == 0 or r in _EXISTS for r in results]
 
     def get_into(self, keys: Sequence[str], addresses: Sequence[int], size: int) -> list[int]:

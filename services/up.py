@@ -1,7 +1,9 @@
 """``pdserve up``: start the local stack and (optionally) send it a real request.
 
-Disaggregated (default): redis-server, the scheduler, ``--prefill`` prefill workers,
-``--decode`` decode workers and the gateway, each its own process. ``--colocated``: one
+Disaggregated (default): redis-server, the KV store's mooncake_master, the scheduler,
+``--prefill`` prefill workers, ``--decode`` decode workers and the gateway, each its own
+process; every worker lends ``--kv-store-segment-mib`` of its DRAM to the KV store
+(``kvstore``; 0: no store, no master). ``--colocated``: one
 colocated worker (prefill and decode in one engine) behind the same scheduler and gateway:
 the baseline. Every worker gets the same engine settings (``EngineArgs``, passed on by
 ``settings.to_argv``).
@@ -14,9 +16,10 @@ also use control cores no worker computes on (``worker_placement``). The control
 (redis, scheduler, gateway) runs on ``--control-cpus``: by default, with ``--pin`` on a
 machine of two or more cores, its first core.
 
-While it runs, any process that dies (redis, the scheduler, a worker, the gateway) is
-restarted with the same command line, so on the same port (``services.supervisor``:
-backoff, at most 5 restarts of one process a minute) and the rest keep serving. Redis keeps
+While it runs, any process that dies (redis, the store's master, the scheduler, a worker,
+the gateway) is restarted with the same command line, so on the same port
+(``services.supervisor``: backoff, at most 5 restarts of one process a minute) and the rest
+keep serving (a restarted master is empty: the workers mount their segments again). Redis keeps
 an append-only file in ``<log dir>/redis``, so a restarted Redis has the request records; a
 restarted scheduler reloads the worker registry from Redis and workers it no longer knows
 register again (docs/operations.md). When it stops, KV segments of workers that could not
@@ -39,6 +42,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvstore.master import READY_LINE as MASTER_READY
+from kvstore.master import master_argv
 from services.common import settings
 from services.common.config import cpu_list, tcp_congestion
 from services.common.engine_args import EngineArgs
@@ -91,6 +96,12 @@ class UpConfig:
     grpc_port: int = setting(50051, "gateway gRPC port (0: a free one)")
     scheduler_port: int = setting(0, "scheduler gRPC port (0: a free one)")
     redis_port: int = setting(0, "redis-server port (0: a free one)")
+    kv_store_segment_mib: int = setting(
+        256,
+        "start the KV store (a mooncake_master beside Redis) and lend this many MiB of every "
+        "worker's DRAM to its pool (0: no store)",
+        metavar="MIB",
+    )
     pin: bool = setting(
         True,
         "pin each worker to its own CPU core (decode workers first, away from "
@@ -126,6 +137,8 @@ class UpConfig:
     engine: EngineArgs = field(default_factory=EngineArgs)
 
     def __post_init__(self) -> None:
+        if self.kv_store_segment_mib < 0:
+            raise ValueError("kv_store_segment_mib must be >= 0")
         if self.local_prefill_max_tokens < 0:
             raise ValueError("local_prefill_max_tokens must be >= 0")
         if not self.colocated and (self.prefill < 1 or self.decode < 1):
@@ -213,6 +226,13 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
     redis = redis_proc(redis_port, workdir)
     redis.cpus = control
     stack.start(redis, ready_line="Ready to accept connections")
+    store_flags: list[str] = []
+    if cfg.kv_store_segment_mib:
+        store_port = free_port()
+        argv = master_argv(store_port, metrics_port=free_port(), host="127.0.0.1")
+        stack.start(Proc("kv-store", argv, control), ready_line=MASTER_READY)
+        store_flags = ["--kv-store", f"127.0.0.1:{store_port}",
+                       "--kv-store-segment-mib", str(cfg.kv_store_segment_mib)]  # fmt: skip
     sched_port = cfg.scheduler_port or free_port()
     sched_metrics = free_port()
     sched = stack.start(Proc("scheduler", py(
@@ -233,7 +253,7 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
     placement = {name: worker_placement(name, plan, control) for name in names}
     engine = settings.to_argv(cfg.engine)
     common = ["--host", cfg.host, "--port", "0", "--scheduler", sched.address,
-              "--heartbeat-interval-s", "0.5", *engine]  # fmt: skip
+              "--heartbeat-interval-s", "0.5", *store_flags, *engine]  # fmt: skip
     metrics: dict[str, str] = {}  # worker -> host:port of its /metrics
 
     def start_worker(name: str, module: str, *flags: str) -> Proc:
@@ -282,6 +302,7 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
         "grpc": _field(gateway.ready_text, "grpc") or f"{cfg.host}:{cfg.grpc_port}",
         "scheduler": sched.address,
         "redis": f"redis://127.0.0.1:{redis_port}/0",
+        **({"kv-store": store_flags[1]} if store_flags else {}),
         "logs": str(stack.log_dir),
         # bench and tests read every metrics:* key as a worker's
         **{f"metrics:{k}": f"http://{v}/metrics" for k, v in metrics.items()},

@@ -24,6 +24,7 @@ from kernels.paged_attention import cpu_kernel_available
 from pdserve.v1 import common_pb2, scheduler_pb2
 from services.common import metrics, process
 from services.common.engine_args import EngineArgs
+from services.common.kv_store import StoreLink
 from services.common.placement_token import region_digest
 from services.common.registration import Registrar
 from services.common.tuning import Tuning
@@ -186,8 +187,10 @@ async def serve_worker(
     inflight: Callable[[], int],
     kv_region: MemoryRegionHandle | None = None,
     data_plane_healthy: Callable[[], bool] = lambda: True,
+    store: StoreLink | None = None,
 ) -> None:
     """Run until SIGTERM; then stop taking work and wait for in-flight requests.
+    ``store``: connected in the background once the engine runs, closed on the way out.
     ``data_plane_healthy``: False once peers can no longer write this worker's KV (its
     receiver died): the worker then reports NOT_SERVING, and DRAINING to the scheduler."""
     process.start_metrics(args.metrics_port, args.host)
@@ -216,6 +219,8 @@ async def serve_worker(
         background.append(registrar.run())
 
     background.append(watch_data_plane(data_plane_healthy, server, registrar))
+    if store is not None:
+        background.append(store.run())
 
     async def drain() -> None:
         if registrar is not None:
@@ -234,4 +239,6 @@ async def serve_worker(
             ready=memory_report(aengine.engine),
         )
     finally:
+        if store is not None:
+            await store.close()
         await aengine.stop()

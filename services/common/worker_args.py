@@ -74,3 +74,71 @@ class MooncakeArgs:
             "protocol": self.mooncake_protocol,
             "devices": self.mooncake_devices,
         }
+
+
+@dataclass(frozen=True)
+class KVStoreArgs:
+    """The KV store below the engine's pool (``kvstore``; docs/operations.md, "KV store")."""
+
+    kv_store: str | None = setting(
+        None,
+        "the KV store's mooncake_master (HOST:PORT): full KV blocks this engine computes go "
+        "there, and prefixes any engine computed are loaded from there instead of computed "
+        "(default: no store)",
+        metavar="HOST:PORT",
+        env="PDSERVE_KV_STORE",
+    )
+    kv_store_segment_mib: int = setting(
+        256,
+        "MiB of this process's DRAM lent to the store's pool (0: the store is off)",
+        env="PDSERVE_KV_STORE_SEGMENT_MIB",
+    )
+    kv_store_protocol: str = setting(
+        "auto",
+        "how the store moves bytes: rdma, tcp, or auto (rdma when this host has an RDMA device)",
+        choices=MOONCAKE_PROTOCOLS,
+    )
+    kv_store_ssd_dir: str | None = setting(
+        None,
+        "an existing directory for this process's SSD tier of the store (default: DRAM "
+        "only; the master must run with --enable_offload=true)",
+        metavar="DIR",
+    )
+    kv_store_replicas: int = setting(
+        2,
+        "copies of each block the store keeps, in distinct workers' segments: a block "
+        "outlives the death of replicas - 1 workers (fewer copies while there are fewer "
+        "segments)",
+        env="PDSERVE_KV_STORE_REPLICAS",
+    )
+    kv_store_write_buffer_mib: int = setting(
+        128,
+        "MiB of blocks waiting to be stored; blocks computed while it is full are dropped "
+        "(counted), never waited for",
+    )
+    kv_store_load_timeout_s: float = setting(
+        2.0, "how long a prefix load may take before the prompt is computed instead"
+    )
+    kv_store_min_load_blocks: int = setting(
+        1,
+        "load from the store only runs of at least this many blocks (measured: loading a "
+        "block beats computing it at every length here; docs/benchmarks.md, 'KV store')",
+    )
+
+    def __post_init__(self) -> None:
+        if self.kv_store_segment_mib < 0:
+            raise ValueError(f"kv_store_segment_mib must be >= 0, got {self.kv_store_segment_mib}")
+        if self.kv_store_replicas < 1:
+            raise ValueError(f"kv_store_replicas must be >= 1, got {self.kv_store_replicas}")
+        if self.kv_store_write_buffer_mib < 1:
+            raise ValueError("kv_store_write_buffer_mib must be >= 1")
+        if self.kv_store_load_timeout_s <= 0:
+            raise ValueError("kv_store_load_timeout_s must be > 0")
+        if self.kv_store_min_load_blocks < 1:
+            raise ValueError("kv_store_min_load_blocks must be >= 1")
+        if self.kv_store is not None and ":" not in self.kv_store:
+            raise ValueError(f"kv_store must be HOST:PORT, got {self.kv_store!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.kv_store) and self.kv_store_segment_mib > 0

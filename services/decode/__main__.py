@@ -32,6 +32,7 @@ async def _main(cfg: DecodeConfig) -> None:
     # Imported after the flags are read: they pull in torch, and --help stays fast.
     from pdserve.v1 import worker_pb2_grpc
     from services.common import cluster_auth
+    from services.common.kv_store import StoreLink
     from services.common.worker import build_engine, serve_worker, worker_id
     from services.decode.server import DecodeServicer
     from transfer.handle import KVLayout
@@ -71,19 +72,21 @@ async def _main(cfg: DecodeConfig) -> None:
         advertise_host=cfg.worker.advertise_host, auth=cluster_auth.installed(),
     )  # fmt: skip
     handle = region.handle if region is not None else None
+    store = StoreLink(cfg.store, aengine, cfg.worker.reachable_host, cfg.role)
     servicer = DecodeServicer(
         aengine,
         handle,
         role=cfg.role,
         worker_id=worker_id(cfg.worker, cfg.role, server),
         prefill_deadline_s=cfg.prefill_deadline_s,
+        store=store,
     )
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server.server)
     names = [cfg.transport] if cfg.role == "decode" else []
     try:
         await serve_worker(
             cfg.worker, cfg.role, server, aengine, names, lambda: servicer.inflight, handle,
-            data_plane_healthy=lambda: transport is None or transport.healthy,
+            data_plane_healthy=lambda: transport is None or transport.healthy, store=store,
         )  # fmt: skip
     finally:
         await servicer.close()

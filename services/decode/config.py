@@ -11,7 +11,7 @@ from services.common.engine_args import EngineArgs
 from services.common.fault_args import FaultArgs
 from services.common.settings import setting
 from services.common.tuning import Tuning
-from services.common.worker_args import MooncakeArgs, WorkerArgs
+from services.common.worker_args import KVStoreArgs, MooncakeArgs, WorkerArgs
 
 ABOUT = (
     "pdserve decode worker (--role colocated: prefills too): registers its KV pool with a "
@@ -36,6 +36,7 @@ class DecodeConfig:
         30.0, "deadline of a remote prefill, KV transfer included", metavar="SECONDS"
     )
     mooncake: MooncakeArgs = field(default_factory=MooncakeArgs)
+    store: KVStoreArgs = field(default_factory=KVStoreArgs)
     cluster: ClusterAuthArgs = field(default_factory=ClusterAuthArgs)
     fault_args: FaultArgs = field(default_factory=FaultArgs)
     engine: EngineArgs = field(default_factory=EngineArgs)

@@ -31,10 +31,12 @@ from engine.errors import InvalidRequestError
 from engine.llm_engine import Reservation
 from engine.output_processor import RequestOutput
 from engine.sampling_params import SamplingParams
+from kvstore.prefix import loaded_prefix
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common import cluster_auth, metrics
 from services.common.convert import finish_to_proto, handle_to_proto, sampling_from_proto, usage
 from services.common.grpc_errors import FAILED_WORKER_KEY, abort_with, kv_fenced, status_for
+from services.common.kv_store import StoreLink
 from services.decode.kv_receiver import KVReceiver, Prefilled, PrefillFailed
 from transfer.handle import MemoryRegionHandle
 
@@ -63,8 +65,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         role: str = "decode",
         prefill_deadline_s: float = PREFILL_DEADLINE_S,
         worker_id: str = "",
+        store: StoreLink | None = None,
     ) -> None:
+        """``store``: the KV store a prompt prefilled here loads its prefix from."""
         self.aengine = aengine
+        self.store = store
         self.region = region
         self.role = role
         self.prefill_deadline_s = prefill_deadline_s
@@ -128,7 +133,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if remote:
                 stream, kv_bytes = await self._remote_prefill(request, ids, resumed, params)
             else:
-                stream = self.aengine.generate(rid, ids, params, resumed)
+                stream = self._local(rid, ids, params, resumed)
             first = True
             last = arrival
             async for out in stream:
@@ -157,6 +162,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if status_for(e) is grpc.StatusCode.INTERNAL:
                 log.exception("generate_failed")
             await abort_with(context, e)
+
+    async def _local(
+        self, rid: str, ids: list[int], params: SamplingParams, resumed: list[int]
+    ) -> AsyncIterator[RequestOutput]:
+        """Prefill here (the prefix the KV store holds loaded first), then decode."""
+        link = self.store
+        store = link.store if link is not None else None
+        loading = link.loading() if link is not None else {"timeout_s": 1.0}
+        async with loaded_prefix(self.aengine, store, [*ids, *resumed], **loading):
+            async for out in self.aengine.generate(rid, ids, params, resumed):
+                yield out
 
     async def _remote_prefill(
         self,

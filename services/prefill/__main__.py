@@ -19,6 +19,7 @@ async def _main(cfg: PrefillConfig) -> None:
     # Imported after the flags are read: they pull in torch, and --help stays fast.
     from pdserve.v1 import worker_pb2_grpc
     from services.common import cluster_auth
+    from services.common.kv_store import StoreLink
     from services.common.worker import build_engine, serve_worker
     from services.prefill.server import PrefillServicer
     from transfer.registry import get_transport
@@ -34,14 +35,15 @@ async def _main(cfg: PrefillConfig) -> None:
         ["pdserve.v1.PrefillWorker"], cfg.worker.host, cfg.worker.port,
         advertise_host=cfg.worker.advertise_host, auth=cluster_auth.installed(),
     )  # fmt: skip
+    store = StoreLink(cfg.store, aengine, cfg.worker.reachable_host, "prefill")
     servicer = PrefillServicer(
-        aengine, transports, placement_key=cluster_auth.installed().placement_key
+        aengine, transports, placement_key=cluster_auth.installed().placement_key, store=store
     )
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server.server)
     try:
         await serve_worker(
             cfg.worker, "prefill", server, aengine, list(cfg.transports),
-            lambda: servicer.inflight,
+            lambda: servicer.inflight, store=store,
         )  # fmt: skip
     finally:
         for t in transports.values():

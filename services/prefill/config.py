@@ -12,7 +12,7 @@ from services.common.engine_args import EngineArgs
 from services.common.fault_args import FaultArgs
 from services.common.settings import setting
 from services.common.tuning import Tuning
-from services.common.worker_args import MooncakeArgs, WorkerArgs
+from services.common.worker_args import KVStoreArgs, MooncakeArgs, WorkerArgs
 
 TRANSPORTS = ("shm", "tcp", "mooncake", "cuda_ipc")
 ABOUT = (
@@ -41,6 +41,7 @@ class PrefillConfig:
     )
     prefill_token_budget: int = setting(4096, "most prompt tokens computed in one forward pass")
     mooncake: MooncakeArgs = field(default_factory=MooncakeArgs)
+    store: KVStoreArgs = field(default_factory=KVStoreArgs)
     cluster: ClusterAuthArgs = field(default_factory=ClusterAuthArgs)
     fault_args: FaultArgs = field(default_factory=FaultArgs)
     engine: EngineArgs = field(default_factory=EngineArgs)

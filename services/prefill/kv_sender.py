@@ -1,5 +1,5 @@
-"""The prefill worker's half of a KV transfer, owned in one place: connect -> plan -> begin
--> layers -> finish or abort -> outcome -> release.
+"""The prefill worker's half of a KV transfer, owned in one place: connect -> load a stored
+prefix -> plan -> begin -> layers -> finish or abort -> outcome -> release.
 
 ``KVSender.send`` computes a prompt while its KV streams, layer by layer, into the blocks a
 decode worker reserved, and returns once the bytes are confirmed there. Whatever happens,
@@ -26,8 +26,10 @@ from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, PrefillOutput
 from engine.sampling_params import SamplingParams
+from kvstore.prefix import PrefixLoad, loaded_prefix
 from services.common import metrics
 from services.common.background import Background
+from services.common.kv_store import StoreLink
 from transfer.base import KVSource, TransferJob, TransferResult, Transport
 from transfer.errors import TransferError
 from transfer.handle import KVLayout, MemoryRegionHandle
@@ -57,6 +59,7 @@ class Sent:
     """A prompt computed and its KV confirmed at the destination."""
 
     output: PrefillOutput
+    loaded: PrefixLoad  # blocks loaded from the KV store (part of output.num_cached_tokens)
     transfer: TransferResult
     num_tokens: int  # prompt + resumed tokens planned
     queue_seconds: float  # arrival -> the transfer began (planning included)
@@ -77,9 +80,16 @@ class SendFailed(Exception):
 class KVSender:
     """Sends prompts' KV from this worker's pool through ``transports`` (by name)."""
 
-    def __init__(self, aengine: AsyncEngine, transports: dict[str, Transport]) -> None:
+    def __init__(
+        self,
+        aengine: AsyncEngine,
+        transports: dict[str, Transport],
+        store: StoreLink | None = None,
+    ) -> None:
+        """``store``: the KV store a prompt's prefix is loaded from before it is planned."""
         self.aengine = aengine
         self.transports = transports
+        self.store = store
         eng = aengine.engine
         # A GPU engine's pool is staged into a host pool of the same layout (kv_host) for
         # the transports that send from host memory; cuda_ipc copies from the pool itself.
@@ -126,8 +136,12 @@ class KVSender:
         except TransferError as e:
             raise SendFailed(e, fenced=True) from e
         key = f"{request_id}#{next(self._calls)}"
+        store = self.store.store if self.store is not None else None
+        loading = self.store.loading() if self.store is not None else {"timeout_s": 1.0}
         try:
-            plan = await self.aengine.plan_prefill(key, prompt_ids, params, resumed)
+            ids = [*prompt_ids, *resumed]
+            async with loaded_prefix(self.aengine, store, ids, **loading) as loaded:
+                plan = await self.aengine.plan_prefill(key, prompt_ids, params, resumed)
         except Exception as e:
             raise SendFailed(e, fenced=True) from e
         job: TransferJob | None = None
@@ -160,6 +174,7 @@ class KVSender:
             self._releases.spawn(self._release_when_stopped(key, job))
         return Sent(
             output=out,
+            loaded=loaded,
             transfer=result,
             num_tokens=plan.num_tokens,
             queue_seconds=started - arrival,

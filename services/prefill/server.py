@@ -2,11 +2,12 @@
 memory layer by layer, answer with the first token.
 
 Request lifecycle (each stage a queue): received -> checked (destination, placement token)
--> planned (local blocks, prefix-cache hit) -> transfer begun -> batched with prompts that
-arrived close together (AsyncEngine) -> forward pass, each layer handed to the transfer job
-as soon as its KV is written -> transfer confirmed in the destination -> reply. The transfer
-and the local blocks are ``KVSender``'s (``services/prefill/kv_sender.py``); this module
-converts protobuf at the edge and maps outcomes to replies and statuses.
+-> prefix loaded from the KV store (``kvstore.prefix``: blocks this worker lacks and the
+store holds) -> planned (local blocks, prefix-cache hit) -> transfer begun -> batched with
+prompts that arrived close together (AsyncEngine) -> forward pass, each layer handed to the
+transfer job as soon as its KV is written -> transfer confirmed in the destination -> reply.
+The transfer and the local blocks are ``KVSender``'s (``services/prefill/kv_sender.py``);
+this module converts protobuf at the edge and maps outcomes to replies and statuses.
 
 Partial transfer: the destination's leading ``num_present_tokens`` (the decode worker's own
 cached prefix) are not written, only the blocks after them. The prompt is still computed
@@ -33,6 +34,7 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common import metrics
 from services.common.convert import handle_from_proto, sampling_from_proto
 from services.common.grpc_errors import KV_FENCED, abort_with
+from services.common.kv_store import StoreLink
 from services.common.placement_token import PlacementTokenError, verify_write
 from services.prefill.kv_sender import ROLE, KVDestination, KVSender, SendFailed
 from transfer.base import Transport
@@ -51,12 +53,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         transports: dict[str, Transport],
         *,
         placement_key: bytes | None = None,
+        store: StoreLink | None = None,
     ) -> None:
         """``placement_key``: with it, a destination is written only under a valid placement
-        token (``services.common.placement_token``); None: any destination (open cluster)."""
+        token (``services.common.placement_token``); None: any destination (open cluster).
+        ``store``: the KV store a prompt's prefix is loaded from before it is computed."""
         self.aengine = aengine
         self.placement_key = placement_key
-        self.sender = KVSender(aengine, transports)
+        self.sender = KVSender(aengine, transports, store)
         self.inflight = 0
         metrics.QUEUE_TIME.labels(ROLE)  # exported from the start, as the series below
         metrics.PROMPT_TOKENS_CACHED.labels(ROLE)
@@ -129,6 +133,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             "prefilled",
             prompt_tokens=len(ids),
             cached_tokens=out.num_cached_tokens,
+            loaded_tokens=sent.loaded.tokens,
+            load_s=round(sent.loaded.seconds, 4),
             present_tokens=dest.present_blocks * dest.handle.layout.block_size,
             kv_bytes=result.bytes,
             kv_present_at_compute_end=round(overlap, 3),
