@@ -45,6 +45,11 @@ _STACK = (
     ("--prefill", "prefill", "prefill workers"),
     ("--decode", "decode", "decode workers"),
     ("--kv-cache-mib", "kv_cache_mib", "KV pool of each worker"),
+    (
+        "--kv-store-segment-mib",
+        "kv_store_segment_mib",
+        "+store policies: each worker's DRAM in the KV store",
+    ),
 )
 _WORKLOAD = (
     ("--sessions", "mt_sessions", "multi-turn: sessions"),
@@ -55,6 +60,11 @@ _WORKLOAD = (
     ("--users", "sp_users", "shared-prefix: users (one request each)"),
     ("--sp-system-tokens", "sp_system_tokens", "shared-prefix: a system prompt"),
     ("--sp-user-tokens", "sp_user_tokens", "shared-prefix: a user message"),
+    ("--documents", "ld_sessions", "long-document: sessions, a document each"),
+    ("--document-turns", "ld_turns", "long-document: questions a session"),
+    ("--min-document-tokens", "ld_min_doc_tokens", "long-document: shortest document"),
+    ("--max-document-tokens", "ld_max_doc_tokens", "long-document: longest document"),
+    ("--question-tokens", "ld_user_tokens", "long-document: a question"),
     ("--output-tokens", "output_tokens", "max_tokens of every request"),
     ("--concurrency", "concurrency", "sessions (users) at once"),
     ("--timeout-s", "timeout_s", "deadline of each request"),

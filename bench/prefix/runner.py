@@ -24,7 +24,12 @@ from bench.prefix.stack import check_up_flags, kv_layout, running_stack, up_argv
 from bench.prefix.targets import KvLayout, figures
 from bench.prefix.workers import growth, read_counters
 from bench.serve.result import BenchResult
-from bench.serve.sessions import Session, build_multi_turn, build_shared_prefix
+from bench.serve.sessions import (
+    Session,
+    build_long_document,
+    build_multi_turn,
+    build_shared_prefix,
+)
 from engine.tokenizer import Tokenizer
 
 
@@ -41,6 +46,17 @@ def build_workload(cfg: PrefixConfig, workload: str, tokenizer: Tokenizer) -> li
             turns=cfg.mt_turns,
             system_tokens=cfg.mt_system_tokens,
             user_tokens=cfg.mt_user_tokens,
+            output_tokens=cfg.output_tokens,
+            seed=cfg.seed,
+        )
+    if workload == "long-document":
+        return build_long_document(
+            tokenizer,
+            sessions=cfg.ld_sessions,
+            turns=cfg.ld_turns,
+            min_doc_tokens=cfg.ld_min_doc_tokens,
+            max_doc_tokens=cfg.ld_max_doc_tokens,
+            user_tokens=cfg.ld_user_tokens,
             output_tokens=cfg.output_tokens,
             seed=cfg.seed,
         )

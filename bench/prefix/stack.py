@@ -11,15 +11,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.prefix.config import PrefixConfig
+from bench.prefix.config import STORE, PrefixConfig
 from bench.prefix.targets import KvLayout
 
 
 def up_argv(cfg: PrefixConfig, policy: str, *, http_port: int, grpc_port: int,
             log_dir: Path) -> list[str]:  # fmt: skip
-    """``pdserve up``'s flags for ``policy``'s stack."""
+    """``pdserve up``'s flags for ``policy``'s stack (a "+store" one runs the KV store)."""
+    store = cfg.kv_store_segment_mib if policy.endswith(STORE) else 0
     argv = [
-        "--prefill", str(cfg.prefill), "--decode", str(cfg.decode), "--routing", policy,
+        "--prefill", str(cfg.prefill), "--decode", str(cfg.decode),
+        "--routing", policy.removesuffix(STORE), "--kv-store-segment-mib", str(store),
         "--kv-cache-mib", str(cfg.kv_cache_mib), "--http-port", str(http_port),
         "--grpc-port", str(grpc_port), "--log-dir", str(log_dir),
     ]  # fmt: skip

@@ -10,11 +10,13 @@ concurrency; interference follows its own schedule.
 
 Prefix reuse (chat): ``multi-turn`` (--sessions conversations of --turns turns over one
 shared system prompt; each turn sends the whole conversation so far, the model's earlier
-answers included, once the previous turn is answered) and ``shared-prefix`` (--users
-one-turn requests over --system-prompts system prompts). --concurrency sessions run at
-once. Each system prompt opens with a fresh nonce (no two runs share a cached block) and
-so does each session's first user message (sessions share the system prompt, nothing
-else). Reported besides latency: prompt tokens cached vs computed (the server's
+answers included, once the previous turn is answered), ``shared-prefix`` (--users
+one-turn requests over --system-prompts system prompts) and ``long-document`` (--sessions
+conversations of --turns questions, each over a document of its own of --document-tokens
+words: a working set of whole documents, for a KV store below the pools). --concurrency
+sessions run at once. Each system prompt opens with a fresh nonce (no two runs share a
+cached block) and so does each session's first user message (sessions share the system
+prompt, nothing else). Reported besides latency: prompt tokens cached vs computed (the server's
 usage.prompt_tokens_details.cached_tokens), KV bytes moved per request and the same per
 worker (pdserve's "pdserve" response object; docs/api.md).
 
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
     from bench.serve.sessions import Session
     from bench.serve.workload import RequestSpec
 
-SESSION_WORKLOADS = ("multi-turn", "shared-prefix")
+SESSION_WORKLOADS = ("multi-turn", "shared-prefix", "long-document")
 WORKLOADS = ("fixed", "dist", "interference", *SESSION_WORKLOADS)
 ARRIVALS = ("poisson", "rate", "concurrency")
 
@@ -185,6 +187,14 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
         help="words (one token each) of a system prompt (default: %(default)s)",
     )
     c.add_argument(
+        "--document-tokens",
+        type=_span,
+        default=(2000, 4000),
+        metavar="MIN,MAX",
+        help="long-document: words of each session's document, drawn in [MIN, MAX] "
+        "(default: 2000,4000)",
+    )
+    c.add_argument(
         "--user-tokens",
         type=int,
         default=64,
@@ -320,6 +330,17 @@ def workload_from_args(args: argparse.Namespace) -> tuple[list[RequestSpec], dic
     return specs, _config(args, params)
 
 
+def _span(text: str) -> tuple[int, int]:
+    """``"2000,4000"`` -> ``(2000, 4000)``: a positive MIN,MAX with MIN <= MAX."""
+    try:
+        low, high = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX, got {text!r}") from None
+    if not 0 < low <= high:
+        raise argparse.ArgumentTypeError(f"expected 0 < MIN <= MAX, got {text!r}")
+    return low, high
+
+
 def sessions_from_args(args: argparse.Namespace) -> tuple[list[Session], dict[str, Any]]:
     """The conversations of ``multi-turn`` / ``shared-prefix``, and their config."""
     from bench.serve import sessions as ss
@@ -335,6 +356,12 @@ def sessions_from_args(args: argparse.Namespace) -> tuple[list[Session], dict[st
     if args.workload == "multi-turn":
         params = {"sessions": args.sessions, "turns": args.turns, **lengths}
         built = ss.build_multi_turn(tokenizer, **params, seed=args.seed)
+    elif args.workload == "long-document":
+        low, high = args.document_tokens
+        params = {"sessions": args.sessions, "turns": args.turns, "min_doc_tokens": low,
+                  "max_doc_tokens": high, "user_tokens": args.user_tokens,
+                  "output_tokens": args.output_tokens}  # fmt: skip
+        built = ss.build_long_document(tokenizer, **params, seed=args.seed)
     else:
         params = {"system_prompts": args.system_prompts, "users": args.users, **lengths}
         built = ss.build_shared_prefix(tokenizer, **params, seed=args.seed)

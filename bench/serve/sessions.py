@@ -6,6 +6,9 @@
   sent only once turn ``k - 1`` is answered (``session_runner``).
 - ``build_shared_prefix``: ``users`` one-turn sessions over ``system_prompts`` system
   prompts, user ``u`` on system prompt ``u % system_prompts``.
+- ``build_long_document``: ``sessions`` conversations, each over a document of its own
+  (its system prompt, ``min_doc_tokens`` to ``max_doc_tokens`` words) with ``turns`` short
+  questions: a working set of whole documents, for a KV store below the workers' pools.
 
 Nonces keep what should not be shared unshared, and nothing else: every system prompt opens
 with ``NONCE_WORDS`` fresh random words (so two runs never hit each other's cache, while
@@ -157,6 +160,40 @@ def build_shared_prefix(
         )
         for u in range(users)
     ]
+
+
+def build_long_document(
+    tokenizer: Tokenizer,
+    *,
+    sessions: int,
+    turns: int,
+    min_doc_tokens: int,
+    max_doc_tokens: int,
+    user_tokens: int,
+    output_tokens: int,
+    seed: int = 0,
+    nonce_rng: random.Random | None = None,
+) -> list[Session]:
+    """``sessions`` multi-turn sessions, session ``i`` over its own document (its system
+    prompt: a nonce, then a seeded length in ``[min_doc_tokens, max_doc_tokens]`` words),
+    ``turns`` questions of ``user_tokens`` words each."""
+    _check_positive(
+        sessions=sessions,
+        turns=turns,
+        min_doc_tokens=min_doc_tokens,
+        user_tokens=user_tokens,
+        output_tokens=output_tokens,
+    )
+    if max_doc_tokens < min_doc_tokens:
+        raise ValueError(f"max_doc_tokens {max_doc_tokens} < min_doc_tokens {min_doc_tokens}")
+    words = _Words(tokenizer, seed, nonce_rng)
+    lengths = random.Random(seed + 1)
+    out = []
+    for i in range(sessions):
+        document = words.text(lengths.randint(min_doc_tokens, max_doc_tokens), nonce=True)
+        questions = tuple(words.text(user_tokens, nonce=False) for _ in range(turns))
+        out.append(Session(i, i, document, questions, output_tokens))
+    return out
 
 
 def _check_positive(**values: int) -> None:

@@ -16,11 +16,13 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_each_policy_gets_its_own_pdserve_up_command_line(tmp_path: Path) -> None:
-    cfg = PrefixConfig(kv_cache_mib=128)
-    for policy in ("round-robin", "least-loaded", "cache-aware"):
+    cfg = PrefixConfig(kv_cache_mib=128, kv_store_segment_mib=96)
+    for policy in ("round-robin", "least-loaded", "cache-aware", "cache-aware+store"):
         argv = up_argv(cfg, policy, http_port=8001, grpc_port=8002, log_dir=tmp_path)
+        store = "96" if policy == "cache-aware+store" else "0"  # the store only in "+store"
         assert argv == [
-            "--prefill", "2", "--decode", "2", "--routing", policy, "--kv-cache-mib", "128",
+            "--prefill", "2", "--decode", "2", "--routing", policy.removesuffix("+store"),
+            "--kv-store-segment-mib", store, "--kv-cache-mib", "128",
             "--http-port", "8001", "--grpc-port", "8002", "--log-dir", str(tmp_path),
         ]  # fmt: skip
         check_up_flags(argv)  # this checkout's pdserve up takes it

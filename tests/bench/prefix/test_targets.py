@@ -96,3 +96,17 @@ def test_what_cannot_be_judged_is_not_judged() -> None:
     assert unknown[2].passed is None and "1 did not report bytes" in unknown[2].detail
     none_checked = targets([_fig("round-robin"), _fig("cache-aware", bytes_checked=0)])
     assert none_checked[2].passed is None
+
+
+def test_long_document_compares_the_store_with_the_same_routing_without_it() -> None:
+    off = _fig("cache-aware", "long-document", ttft_p50_ms=900.0, worker_computed=3000.0)
+    on = _fig("cache-aware+store", "long-document", ttft_p50_ms=300.0, worker_computed=1000.0)
+    found = targets([_fig("round-robin", "long-document"), off, on])
+    assert [t.name for t in found] == [
+        "long-document: cache-aware+store TTFT P50 <= 1/3 of cache-aware's",
+        "long-document: cache-aware+store prompt tokens computed <= 1/3 of cache-aware's",
+    ]
+    assert [t.passed for t in found] == [True, True]
+    assert found[0].detail == "300 vs 900 ms (0.33x)"
+    worse = replace(on, ttft_p50_ms=301.0, worker_computed=1001.0)
+    assert [t.passed for t in targets([off, worse])] == [False, False]

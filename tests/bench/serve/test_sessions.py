@@ -13,6 +13,7 @@ from bench.serve.sessions import (
     TAG_FIRST_TURN,
     TAG_LATER_TURN,
     Session,
+    build_long_document,
     build_multi_turn,
     build_shared_prefix,
     turn_request,
@@ -117,4 +118,23 @@ def test_sizes_must_be_positive(tokenizer: Tokenizer) -> None:
         multi(tokenizer, turns=0)
     with pytest.raises(ValueError, match="system_prompts"):
         build_shared_prefix(tokenizer, system_prompts=0, users=1, system_tokens=1,
+                            user_tokens=1, output_tokens=1)  # fmt: skip
+
+
+def test_long_document_sessions_each_have_a_document_of_their_own(tokenizer: Tokenizer) -> None:
+    shape = dict(sessions=3, turns=2, min_doc_tokens=60, max_doc_tokens=90, user_tokens=8,
+                 output_tokens=4, seed=2)  # fmt: skip
+    built = build_long_document(tokenizer, **shape)  # type: ignore[arg-type]
+    assert [s.turns for s in built] == [2, 2, 2]
+    docs = [ids(tokenizer, turn_request(s, 0, [])) for s in built]
+    for i, a in enumerate(docs):  # each opens with its own nonce: no shared block
+        assert all(common_prefix(a, b) < BLOCK for b in docs[i + 1 :])
+    for s in built:
+        assert 60 <= len(tokenizer.encode(s.system, add_special_tokens=False)) <= 90 + 2
+    again = build_long_document(tokenizer, **shape)  # type: ignore[arg-type]
+    # the same seed draws the same lengths and questions, fresh nonces
+    assert [len(s.system.split()) for s in again] == [len(s.system.split()) for s in built]
+    assert [s.user_turns for s in again] == [s.user_turns for s in built]
+    with pytest.raises(ValueError, match="max_doc_tokens"):
+        build_long_document(tokenizer, sessions=1, turns=1, min_doc_tokens=9, max_doc_tokens=8,
                             user_tokens=1, output_tokens=1)  # fmt: skip
