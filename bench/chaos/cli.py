@@ -53,6 +53,24 @@ def add_chaos_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill-decode", action="store_true", help="kill -9 decode-0 after 1/2")
     p.add_argument("--restart-redis", action="store_true", help="kill -9 redis after 2/3")
     p.add_argument(
+        "--restart-kv-store",
+        action="store_true",
+        help="kill -9 the KV store's master after 5/6 (it restarts empty)",
+    )
+    p.add_argument(
+        "--context-words",
+        type=int,
+        default=d.context_words,
+        help="a shared preamble of this many words before every question, so requests "
+        "share KV blocks the store serves (default: %(default)s)",
+    )
+    p.add_argument(
+        "--kv-store-segment-mib",
+        type=int,
+        default=d.kv_store_segment_mib,
+        help="each worker's DRAM in the KV store (0: no store; default: %(default)s)",
+    )
+    p.add_argument(
         "--kv-cache-mib",
         type=int,
         default=d.kv_cache_mib,
@@ -92,6 +110,9 @@ def config_from(args: argparse.Namespace) -> ChaosConfig:
         kill_prefill=args.kill_prefill,
         kill_decode=args.kill_decode,
         restart_redis=args.restart_redis,
+        restart_kv_store=args.restart_kv_store,
+        context_words=args.context_words,
+        kv_store_segment_mib=args.kv_store_segment_mib,
         kv_cache_mib=args.kv_cache_mib,
         prefill_deadline_s=args.prefill_deadline_s,
         lease_wait_s=args.lease_wait_s,

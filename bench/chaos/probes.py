@@ -53,6 +53,29 @@ async def free_blocks(
     return out
 
 
+KV_STORE_COUNTERS = ("hit_blocks", "stored_blocks", "refused_blocks", "missing_blocks",
+                     "dropped_blocks", "failed_puts")  # fmt: skip
+
+
+async def kv_store_counters(
+    session: aiohttp.ClientSession, endpoints: Mapping[str, str]
+) -> dict[str, float]:
+    """The workers' ``pdserve:kv_store_<name>_total``, summed (a restarted worker's count
+    starts again at 0, so these are at least what happened); a worker whose metrics do not
+    answer adds nothing."""
+    out = dict.fromkeys(KV_STORE_COUNTERS, 0.0)
+    for key, url in endpoints.items():
+        if not key.startswith("metrics:"):
+            continue
+        try:
+            text = await scrape(session, url)
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            continue
+        for name in KV_STORE_COUNTERS:
+            out[name] += sum(v for _, v in samples(text, f"pdserve:kv_store_{name}_total"))
+    return out
+
+
 async def migrations(session: aiohttp.ClientSession, metrics_url: str) -> dict[str, float]:
     """The gateway's ``pdserve:migrations_total`` by cause."""
     text = await scrape(session, metrics_url)

@@ -27,6 +27,22 @@ VARIATIONS = (
 )
 
 
+CONTEXT_SENTENCE = "The archive keeps records of ships, harbours, tides and storms. "
+
+
+def context(words: int) -> str:
+    """A shared preamble of about ``words`` words (``--context-words``): requests that open
+    with it share their leading KV blocks, which the KV store then serves across workers.
+
+    >>> context(0), len(context(100).split()) >= 100
+    ('', True)
+    """
+    if words <= 0:
+        return ""
+    sentence_words = len(CONTEXT_SENTENCE.split())
+    return CONTEXT_SENTENCE * -(-words // sentence_words) + "\n\n"
+
+
 def question(index: int) -> str:
     """The question of request ``index``: every question once, then the next variation.
 

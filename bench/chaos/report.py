@@ -7,7 +7,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bench.chaos.client import Outcome
@@ -58,6 +58,7 @@ class ChaosReport:
     supervisor: list[str]
     supervisor_stopped: str | None
     outcomes: list[dict[str, Any]]
+    kv_store: dict[str, float] = field(default_factory=dict)
 
     @property
     def migrated_mismatches(self) -> list[Mismatch]:
@@ -106,7 +107,9 @@ def acceptance(r: ChaosReport) -> dict[str, bool]:
     2. at least 99% of the requests completed;
     3. every completed migrated stream equals the greedy reference;
     4. every worker that was not killed has as many free KV blocks after the run as before;
-    5. no ``pdserve-kv-*`` segment of the run is left in ``/dev/shm`` after the stack stopped.
+    5. no ``pdserve-kv-*`` segment of the run is left in ``/dev/shm`` after the stack stopped;
+    6. with the KV store: no object a load read was refused (size or header not the block
+       its key names: wrong KV would have been loaded without the check).
     """
     survivors = [w for w in r.free_blocks_before if w not in r.disrupted]
     return {
@@ -119,6 +122,11 @@ def acceptance(r: ChaosReport) -> dict[str, bool]:
             for w in survivors
         ),
         "0 pdserve-kv-* bytes left after stop": sum(r.shm_left.values()) == 0,
+        **(
+            {"0 KV store blocks refused": r.kv_store.get("refused_blocks", 0.0) == 0}
+            if r.kv_store
+            else {}
+        ),
     }
 
 
@@ -140,6 +148,10 @@ def render(r: ChaosReport) -> str:
         ),
         ("greedy mismatches (all)", str(len(r.mismatches))),
         ("greedy mismatches (migrated)", str(len(r.migrated_mismatches))),
+        (
+            "KV store (workers' counters)",
+            ", ".join(f"{k} {v:g}" for k, v in r.kv_store.items()) or "-",
+        ),
         (
             "/dev/shm pdserve-kv-* bytes",
             f"before {r.shm_bytes_before}, after {r.shm_bytes_after}, "

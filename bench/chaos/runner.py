@@ -26,7 +26,7 @@ import aiohttp
 from bench.chaos import probes, reference
 from bench.chaos.client import Outcome, chat
 from bench.chaos.disruptions import Kill, plan
-from bench.chaos.prompts import question
+from bench.chaos.prompts import context, question
 from bench.chaos.report import ChaosReport, count_outcomes, mismatches
 from services.launcher import Stack, free_port
 from services.up import launch, load_up_config, supervise
@@ -36,6 +36,8 @@ from services.up import launch, load_up_config, supervise
 class ChaosConfig:
     """One chaos run. ``prefill_deadline_s``: the decode workers' prefill deadline, whose
     KV lease (it plus 2 s) holds a killed prefill worker's destination blocks.
+    ``context_words``: a shared preamble before every question (0: none), so requests share
+    KV blocks the KV store (``kv_store_segment_mib`` per worker, 0: none) serves.
     ``lease_wait_s``: how long to wait after the last request for the surviving workers'
     free KV blocks to return (default: the lease plus 3 s)."""
 
@@ -48,6 +50,9 @@ class ChaosConfig:
     kill_prefill: bool = False
     kill_decode: bool = False
     restart_redis: bool = False
+    restart_kv_store: bool = False
+    context_words: int = 0
+    kv_store_segment_mib: int = 256
     prefill: int = 2
     decode: int = 2
     kv_cache_mib: int = 64
@@ -67,6 +72,10 @@ class ChaosConfig:
             raise ValueError(f"fault_rate={self.fault_rate} must be in [0, 1]")
         if (self.kill_prefill and self.prefill < 2) or (self.kill_decode and self.decode < 2):
             raise ValueError("killing a worker needs another one of its role to serve on")
+        if self.context_words < 0 or self.kv_store_segment_mib < 0:
+            raise ValueError("context_words and kv_store_segment_mib must be >= 0")
+        if self.restart_kv_store and not self.kv_store_segment_mib:
+            raise ValueError("restarting the KV store needs one (kv_store_segment_mib > 0)")
 
 
 def _say(line: str) -> None:
@@ -93,6 +102,8 @@ def run(cfg: ChaosConfig, say: Callable[[str], None] = _say) -> ChaosReport:
             cfg.transport,
             "--kv-cache-mib",
             str(cfg.kv_cache_mib),
+            "--kv-store-segment-mib",
+            str(cfg.kv_store_segment_mib),
             "--http-port",
             str(free_port()),
             "--grpc-port",
@@ -155,8 +166,9 @@ def run(cfg: ChaosConfig, say: Callable[[str], None] = _say) -> ChaosReport:
         disrupted={
             k.target: f"killed after {k.after} finished, restarted"
             for k in live.fired
-            if k.target != "redis"
+            if k.target not in ("redis", "kv-store")
         },
+        kv_store=live.kv_store,
         shm_bytes_before=sum(shm_before.values()),
         shm_bytes_after=sum(shm_after.values()),
         shm_left={n: b for n, b in shm_after.items() if n not in shm_before},
@@ -179,6 +191,7 @@ class _Live:
     requests_s: float
     migrations_before: dict[str, float]
     migrations_after: dict[str, float]
+    kv_store: dict[str, float]
     fired: list[Kill]
     kills: list[dict[str, object]]
     said: list[str]
@@ -224,6 +237,7 @@ async def _drive(
                 kill_prefill=cfg.kill_prefill,
                 kill_decode=cfg.kill_decode,
                 restart_redis=cfg.restart_redis,
+                restart_kv_store=cfg.restart_kv_store,
             )
         )
         fired: list[Kill] = []
@@ -238,7 +252,7 @@ async def _drive(
                     session,
                     endpoints["http"],
                     model,
-                    question(i),
+                    context(cfg.context_words) + question(i),
                     index=i,
                     max_tokens=cfg.max_tokens,
                     deadline_s=cfg.deadline_s,
@@ -277,6 +291,7 @@ async def _drive(
             await asyncio.sleep(0.5)
         free_wait_s = time.monotonic() - waited
         migrations_after = await probes.migrations(session, gateway_metrics)
+        kv_store = await probes.kv_store_counters(session, endpoints)
     ticker.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await ticker
@@ -288,6 +303,7 @@ async def _drive(
         requests_s=requests_s,
         migrations_before=migrations_before,
         migrations_after=migrations_after,
+        kv_store=kv_store,
         fired=fired,
         kills=kills,
         said=said,

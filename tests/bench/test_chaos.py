@@ -1,7 +1,8 @@
 """``bench/chaos``: the pure parts (plan, parsing, verdicts), then a small chaos run against
-a real stack (decode workers over shm and tcp, then over mooncake): 32 greedy requests
-through injected transfer faults and kill -9 of a prefill worker, a decode worker and Redis,
-meeting the whole acceptance."""
+a real stack (decode workers over shm and tcp; over mooncake in the slow run): 32 greedy
+requests through injected transfer faults and kill -9 of a prefill worker, a decode worker,
+Redis and the KV store's master, the requests sharing a preamble the store serves, meeting
+the whole acceptance."""
 
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ def test_the_plan_kills_in_order_and_only_what_was_asked() -> None:
     assert plan(40, kill_prefill=False, kill_decode=False, restart_redis=True) == (
         Kill("redis", 26),
     )
+    assert plan(40, kill_prefill=True, kill_decode=False, restart_redis=False,
+                restart_kv_store=True) == (Kill("prefill-0", 13), Kill("kv-store", 33))  # fmt: skip
 
 
 def test_outcomes_are_counted_and_causes_grouped_without_ids() -> None:
@@ -64,6 +67,12 @@ def test_the_verdicts_follow_the_acceptance() -> None:
     assert not acceptance(_report(shm_left={"pdserve-kv-x": 4096}))[
         "0 pdserve-kv-* bytes left after stop"
     ]
+    assert "0 KV store blocks refused" not in acceptance(_report())  # no store, no verdict
+    stored = _report(kv_store={"hit_blocks": 40.0, "refused_blocks": 0.0})
+    assert acceptance(stored)["0 KV store blocks refused"]
+    assert not acceptance(replace(stored, kv_store={"refused_blocks": 1.0}))[
+        "0 KV store blocks refused"
+    ]
     migrated = mismatches([_outcome(0, text="b")], {"q": "a"}, {"chatcmpl-0": ["decode_lost"]})
     assert not acceptance(_report(mismatches=migrated))["0 greedy mismatches among migrated"]
     assert render(_report(mismatches=migrated)).endswith("FAIL")
@@ -82,7 +91,7 @@ def test_metrics_and_the_gateway_log_are_read(tmp_path: Path) -> None:
     assert probes.migrated_requests(log) == {"r1": ["prefill_failed"]}
 
 
-@pytest.mark.parametrize("transport", ["shm,tcp", "mooncake"])
+@pytest.mark.parametrize("transport", ["shm,tcp", pytest.param("mooncake", marks=pytest.mark.slow)])
 def test_a_small_chaos_run_meets_the_acceptance(tmp_path: Path, transport: str) -> None:
     report = run(
         ChaosConfig(
@@ -95,12 +104,16 @@ def test_a_small_chaos_run_meets_the_acceptance(tmp_path: Path, transport: str) 
             kill_prefill=True,
             kill_decode=True,
             restart_redis=True,
+            restart_kv_store=True,
+            context_words=160,
+            kv_cache_mib=16,
             log_dir=str(tmp_path / "logs"),
         )
     )
     print(render(report))
     assert acceptance(report) == dict.fromkeys(acceptance(report), True), render(report)
-    assert [k["target"] for k in report.kills] == ["prefill-0", "decode-0", "redis"]
+    assert [k["target"] for k in report.kills] == ["prefill-0", "decode-0", "redis", "kv-store"]
+    assert report.kv_store["stored_blocks"] > 0
     assert sum(report.migrations_by_cause.values()) > 0  # the faults and kills were felt
     assert report.migrated_completed > 0
     assert report.supervisor_stopped is None

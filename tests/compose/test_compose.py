@@ -34,6 +34,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvstore.master import master_argv
 from services.common.engine_args import EngineArgs
 from services.scheduler.policy import HOST_LOCAL_TRANSPORTS
 from tests.service_argv import ALL_INTERFACES, PARSERS, WORKERS, Problem, parse_service
@@ -168,11 +169,17 @@ def check_compose(compose: dict[str, Any]) -> list[str]:
     if len(redis) != 1:
         problems.append(f"need exactly one redis service, got {redis}")
 
+    stores = [n for n, s in services.items() if _runs_kv_store_master(s)]
+    if len(stores) != 1:
+        problems.append(f"need exactly one KV store master service, got {stores}")
     for name, svc in services.items():
         if name in redis:
             continue
         if svc.get("image") == PROMETHEUS_IMAGE:
             problems += _check_prometheus(name, svc)
+            continue
+        if name in stores:
+            problems += _check_kv_store(name, svc)
             continue
         try:
             module, cfg = parse_service(name, effective_argv(name, svc))
@@ -204,9 +211,15 @@ def check_compose(compose: dict[str, Any]) -> list[str]:
     sched_name, sched = parsed["services.scheduler"]
     problems += _check_scheduler(services, sched_name, sched, redis_name)
     sched_addr = f"{sched_name}:{sched.grpc_port}"
+    store_addr = _kv_store_address(stores[0], services[stores[0]]) if len(stores) == 1 else None
     for module in WORKERS:
         name, args = parsed[module]
         problems += _check_worker(name, services[name], args, sched_name, sched_addr, sched)
+        if args.store.kv_store != store_addr or not args.store.enabled:
+            problems.append(
+                f"{name}: --kv-store {args.store.kv_store} (segment "
+                f"{args.store.kv_store_segment_mib} MiB) is not the store at {store_addr}"
+            )
     problems += _check_transports(parsed["services.prefill"], parsed["services.decode"])
     problems += _check_gateway(services, parsed, sched_addr)
     models = {m: cfg.engine.model for m, (_, cfg) in parsed.items() if m != "services.scheduler"}
@@ -217,6 +230,36 @@ def check_compose(compose: dict[str, Any]) -> list[str]:
         if module != "services.scheduler" and cfg.engine != want:
             problems.append(f"{name}: engine settings {cfg.engine} are not {want}")
     return problems
+
+
+def _runs_kv_store_master(svc: dict[str, Any]) -> bool:
+    command = svc.get("command")
+    return isinstance(command, list) and bool(command) and command[0] == "mooncake_master"
+
+
+def _kv_store_address(name: str, svc: dict[str, Any]) -> str:
+    flags = dict(a.split("=", 1) for a in svc["command"][1:] if "=" in a)
+    return f"{name}:{flags.get('--rpc_port')}"
+
+
+def _check_kv_store(name: str, svc: dict[str, Any]) -> list[str]:
+    """The KV store's master runs the command line ``kvstore.master`` gives it, reachable
+    from the other containers, and is restarted when it dies."""
+    argv = as_argv(svc.get("command"), f"{name}.command")
+    flags = dict(a.split("=", 1) for a in argv[1:] if "=" in a)
+    try:
+        port, metrics = int(flags["--rpc_port"]), int(flags["--metrics_port"])
+    except (KeyError, ValueError):
+        return [f"{name}: mooncake_master needs --rpc_port=N and --metrics_port=N"]
+    want = master_argv(port, metrics_port=metrics)[1:]
+    if argv[1:] != want:
+        return [f"{name}: mooncake_master {argv[1:]} is not kvstore.master's {want}"]
+    try:
+        if healthcheck_port(name, svc) != port:
+            return [f"{name}: the healthcheck does not probe port {port}"]
+    except Problem as e:
+        return [str(e)]
+    return []
 
 
 def _check_prometheus(name: str, svc: dict[str, Any]) -> list[str]:
@@ -528,6 +571,19 @@ MUTATIONS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
         "--config.file"),
     "prometheus always on": (_put("prometheus", "profiles", None), "opt-in"),
     "scheduler before redis": (_put("scheduler", "depends_on", None), "wait for redis"),
+    "a worker without the KV store": (
+        _m("decode", "--kv-store", None), "decode: --kv-store None (segment 256 MiB) is not"),
+    "a worker lends no DRAM to the store": (
+        _m("prefill", "--kv-store-segment-mib", "0"), "prefill: --kv-store kv-store:50090"),
+    "the store moves, nobody follows": (
+        lambda c: c["services"]["kv-store"]["command"].__setitem__(1, "--rpc_port=50091"),
+        "is not the store at kv-store:50091"),
+    "the store's master on other flags": (
+        lambda c: c["services"]["kv-store"]["command"].append("--client_ttl=99"),
+        "is not kvstore.master's"),
+    "two store masters": (
+        lambda c: c["services"].update(k2=copy.deepcopy(c["services"]["kv-store"])),
+        "exactly one KV store master"),
     "two schedulers": (
         lambda c: c["services"].update(s2=copy.deepcopy(c["services"]["scheduler"])),
         "runs in both"),

@@ -130,8 +130,8 @@ def stack() -> Iterator[Stack]:
     stack = Stack(compose_command(), env, ports["HTTP"], ports["PROMETHEUS"])
     try:
         stack("up", "-d", "--scale", "prefill=2", "--scale", "decode=2")
-        stack.wait_healthy({"redis": 1, "scheduler": 1, "prefill": 2, "decode": 2, "gateway": 1,
-                            "prometheus": 1})  # fmt: skip
+        stack.wait_healthy({"redis": 1, "kv-store": 1, "scheduler": 1, "prefill": 2, "decode": 2,
+                            "gateway": 1, "prometheus": 1})  # fmt: skip
         yield stack
     finally:
         stack("down", "-v", "--remove-orphans", "--timeout", "60", timeout=600)
@@ -158,6 +158,24 @@ def test_the_openai_sdk_is_served_through_the_published_port(stack: Stack) -> No
     )  # fmt: skip
     text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
     assert text == ask(stack.client())
+
+
+def test_the_workers_share_a_kv_store_across_containers(stack: Stack) -> None:
+    """Every worker container mounts its DRAM into the store's pool; a prompt's full blocks,
+    computed by one prefill container, are put there (over TCP between containers)."""
+    workers = stack.containers("prefill") + stack.containers("decode")
+    deadline = time.monotonic() + 60
+    while not all(stack.metric(c, "pdserve:kv_store_connected") == 1 for c in workers):
+        assert time.monotonic() < deadline, "a worker did not connect to the KV store"
+        time.sleep(1)
+    prefills = stack.containers("prefill")
+    before = sum(stack.metric(c, "pdserve:kv_store_stored_blocks_total") for c in prefills)
+    long_question = "Summarize: " + " ".join(f"fact {i} is about harbours." for i in range(40))
+    assert ask(stack.client(), long_question, 8)
+    deadline = time.monotonic() + 30
+    while sum(stack.metric(c, "pdserve:kv_store_stored_blocks_total") for c in prefills) <= before:
+        assert time.monotonic() < deadline, "no block reached the KV store"
+        time.sleep(1)
 
 
 def prometheus_get(stack: Stack, path: str, **params: str) -> Any:

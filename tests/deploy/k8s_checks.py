@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlparse
 
+from kvstore.master import master_argv
 from services.common.engine_args import EngineArgs
 from services.scheduler.policy import HOST_LOCAL_TRANSPORTS
 from tests.deploy.k8s_stack import (
@@ -52,9 +53,12 @@ def check_stack(objects: list[dict[str, Any]]) -> list[str]:
                     for c in pod_spec(w).get("containers") or [])]  # fmt: skip
     if len(redis) != 1:
         problems.append(f"need exactly one redis workload, got {[name_of(w) for w in redis]}")
+    stores = [w for w in workloads if _runs_kv_store_master(w)]
+    if len(stores) != 1:
+        problems.append(f"need exactly one KV store master, got {[name_of(w) for w in stores]}")
     services: dict[str, Service] = {}
     for w in workloads:
-        if w in redis:
+        if w in redis or w in stores:
             continue
         try:
             svc = parse_container(w, stack)
@@ -80,8 +84,18 @@ def check_stack(objects: list[dict[str, Any]]) -> list[str]:
         problems += _check_redis(redis[0], stack)
         problems += _check_scheduler(services["services.scheduler"], redis[0], stack)
     sched_addrs = _service_addresses(services["services.scheduler"], stack)
+    store_addrs: set[str] = set()
+    if len(stores) == 1:
+        found, store_addrs = _check_kv_store(stores[0], stack)
+        problems += found
     for module in WORKERS:
         problems += _check_worker(services[module], services["services.scheduler"], sched_addrs)
+        store = services[module].cfg.store
+        if store.kv_store not in store_addrs or not store.enabled:
+            problems.append(
+                f"{services[module].name}: --kv-store {store.kv_store} (segment "
+                f"{store.kv_store_segment_mib} MiB) is not in {sorted(store_addrs)}"
+            )
     problems += _check_transports(services["services.prefill"], services["services.decode"])
     problems += _check_gateway(services["services.gateway"], sched_addrs, stack)
     problems += _check_k8s_services(stack, workloads, list(services.values()))
@@ -271,6 +285,46 @@ def _check_redis(w: dict[str, Any], stack: Stack) -> list[str]:
     if governing is None or governing["spec"].get("clusterIP") != "None":
         problems.append(f"{where}: serviceName must be a headless Service")
     return problems
+
+
+def _runs_kv_store_master(w: dict[str, Any]) -> bool:
+    containers = pod_spec(w).get("containers") or []
+    return len(containers) == 1 and (containers[0].get("command") or [None])[0] == "mooncake_master"
+
+
+def _check_kv_store(w: dict[str, Any], stack: Stack) -> tuple[list[str], set[str]]:
+    """The store's master: one replica never overlapping another, on ``kvstore.master``'s
+    command line; returns the problems and the ``name:port`` of Services reaching it."""
+    problems = []
+    where = name_of(w)
+    container = the_container(w)
+    args = [str(a) for a in container.get("args") or []]
+    flags = dict(a.split("=", 1) for a in args if "=" in a)
+    if w["kind"] != "Deployment" or w["spec"].get("replicas") != 1:
+        problems.append(f"{where}: the KV store's master must be a Deployment of 1 replica")
+    if (w["spec"].get("strategy") or {}).get("type") != "Recreate":
+        problems.append(f"{where}: a rolling update would run two masters; use Recreate")
+    try:
+        port, metrics = int(flags["--rpc_port"]), int(flags["--metrics_port"])
+    except (KeyError, ValueError):
+        return [
+            *problems,
+            f"{where}: mooncake_master needs --rpc_port=N and --metrics_port=N",
+        ], set()
+    want = master_argv(port, metrics_port=metrics)[1:]
+    if args != want:
+        problems.append(f"{where}: mooncake_master {args} is not kvstore.master's {want}")
+    ports = declared_ports(container)
+    reach = set()
+    for s in stack.of("Service"):
+        if selects(s["spec"].get("selector"), pod_labels(w)):
+            for p in s["spec"].get("ports") or []:
+                target = p.get("targetPort", p["port"])
+                if ports.get(target, target) == port:
+                    reach.add(f"{s['metadata']['name']}:{p['port']}")
+    if not reach:
+        problems.append(f"{where}: no Service reaches its port {port}")
+    return problems, reach
 
 
 def _check_scheduler(sched: Service, redis: dict[str, Any], stack: Stack) -> list[str]:

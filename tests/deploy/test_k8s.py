@@ -46,6 +46,8 @@ def _services(objects: Objects) -> dict[str, Service]:
     stack = Stack(objects)
     found = {}
     for w in stack.of("Deployment"):
+        if w["metadata"]["name"] == "kv-store":  # mooncake_master: no pdserve service
+            continue
         svc = parse_container(w, stack)
         found[svc.module] = svc
     return found
@@ -360,6 +362,17 @@ STACK_MUTATIONS: dict[str, tuple[Callable[[Objects], None], str]] = {
         .append({"name": "proxy", "image": "envoy"}), "one container per pod"),
     "missing service": (
         lambda o: o.remove(_find(o, "Deployment", "prefill")), "no workload runs"),
+    "a worker without the KV store": (
+        _arg("decode", "--kv-store", None), "decode: --kv-store None (segment 1024 MiB)"),
+    "a worker lends the store no DRAM": (
+        _arg("prefill", "--kv-store-segment-mib", "0"), "(segment 0 MiB) is not in"),
+    "store master rolling": (
+        _set("Deployment", "kv-store", "spec.strategy.type", "RollingUpdate"), "two masters"),
+    "store master on other flags": (
+        _set("Deployment", "kv-store", f"{C0}.args.4", "--client_ttl=99"),
+        "is not kvstore.master's"),
+    "no Service reaches the store": (
+        _set("Service", "kv-store", "spec.ports.0.targetPort", 50091), "no Service reaches"),
     "two redis": (
         lambda o: o.append({**copy.deepcopy(_find(o, "StatefulSet", "redis")),
                             "metadata": {"name": "cache"}}), "exactly one redis"),
