@@ -23,7 +23,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -92,6 +92,9 @@ class KVStore:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._known: OrderedDict[int, float] = OrderedDict()
         self._known_lock = threading.Lock()
+        # Hashes confirmed in the store since the last drain_confirmed (the worker's
+        # heartbeat tells the scheduler); bounded: the oldest go first.
+        self._confirmed: deque[int] = deque(maxlen=_KNOWN_MAX)
         self._load_lock = threading.Lock()
         self.loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-store-load")
         self._writer = threading.Thread(target=self._write_loop, name="kv-store-put", daemon=True)
@@ -259,12 +262,23 @@ class KVStore:
             seen = self._known.get(block_hash)
         return seen is not None and now - seen < KNOWN_FOR_S
 
+    def drain_confirmed(self) -> list[int]:
+        """The hashes confirmed in the store (put, found, loaded) since the last call."""
+        out = []
+        while self._confirmed:
+            try:
+                out.append(self._confirmed.popleft())
+            except IndexError:
+                break
+        return out
+
     def _remember(self, block_hashes: Any) -> None:
         now = time.monotonic()
         with self._known_lock:
             for block_hash in block_hashes:
                 self._known[block_hash] = now
                 self._known.move_to_end(block_hash)
+                self._confirmed.append(block_hash)
             while len(self._known) > _KNOWN_MAX:
                 self._known.popitem(last=False)
 

@@ -102,6 +102,8 @@ def run(cfg: PrefixConfig, command: str, say: Callable[[str], None] = _say) -> P
                         timeout_s=cfg.timeout_s,
                         progress=cfg.progress,
                         config={"workload": workload, "policy": policy},
+                        # long-document: users come back after everyone else's turn
+                        rounds=workload == "long-document",
                     )
                 )
                 after = read_counters(endpoints)

@@ -187,6 +187,12 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
         help="words (one token each) of a system prompt (default: %(default)s)",
     )
     c.add_argument(
+        "--rounds",
+        action="store_true",
+        help="send every session's turn k before any session's turn k+1 (users who come back "
+        "after a while: a conversation's KV has left small pools by its next turn)",
+    )
+    c.add_argument(
         "--document-tokens",
         type=_span,
         default=(2000, 4000),
@@ -410,6 +416,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 progress=not args.no_progress,
                 ignore_eos=ignore_eos,
                 config=config,
+                rounds=args.rounds,
             )
         else:
             specs, workload_config = workload_from_args(args)

@@ -6,6 +6,11 @@ Lifecycle of a session: waiting for one of ``concurrency`` slots (closed loop ov
 that fails ends its session: the turns after it cannot be built without its answer and are
 not sent (``config["dropped"]`` counts them). Every request has the client's deadline, so
 the run always ends.
+
+``rounds``: turn-major order instead: every session's turn k is answered before any
+session's turn k + 1 is sent (``concurrency`` requests at once within a round). That is
+users who come back after a while: between two turns of one conversation every other
+conversation takes a turn, so its KV has long left a small pool by then.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ async def run_sessions(
     progress: bool = True,
     ignore_eos: bool = False,
     config: dict[str, Any] | None = None,
+    rounds: bool = False,
 ) -> BenchResult:
     """Send every session's turns (see the module docstring); up to ``concurrency`` sessions
     at once. ``model``: the name to send (``None``: the first of ``/v1/models``).
@@ -57,30 +63,49 @@ async def run_sessions(
         started_at = time.time()
         t0 = time.perf_counter()
 
-        async def converse(i: int) -> None:
+        answers: list[list[str]] = [[] for _ in sessions]
+        failed: set[int] = set()
+
+        async def take_turn(i: int, turn: int) -> bool:
+            """Session ``i``'s turn ``turn``; False when it failed (the session ends)."""
             nonlocal dropped
-            session, answers = sessions[i], []
-            for turn in range(session.turns):
-                record = await send_request(
-                    http,
-                    root,
-                    turn_request(session, turn, answers),
-                    index=first_index[i] + turn,
-                    model=model,
-                    opts=opts,
-                    t0=t0,
-                )
-                records.append(record)
-                bar.update(1)
-                if not record.ok:
-                    dropped += session.turns - turn - 1
-                    bar.total -= session.turns - turn - 1
-                    bar.refresh()
+            session = sessions[i]
+            record = await send_request(
+                http,
+                root,
+                turn_request(session, turn, answers[i]),
+                index=first_index[i] + turn,
+                model=model,
+                opts=opts,
+                t0=t0,
+            )
+            records.append(record)
+            bar.update(1)
+            if not record.ok:
+                failed.add(i)
+                dropped += session.turns - turn - 1
+                bar.total -= session.turns - turn - 1
+                bar.refresh()
+                return False
+            answers[i].append(record.output_text or "")
+            return True
+
+        async def converse(i: int) -> None:
+            for turn in range(sessions[i].turns):
+                if not await take_turn(i, turn):
                     return
-                answers.append(record.output_text or "")
 
         try:
-            await closed_loop(len(sessions), concurrency, converse)
+            if rounds:
+                for turn in range(max((s.turns for s in sessions), default=0)):
+                    due = [i for i, s in enumerate(sessions) if turn < s.turns and i not in failed]
+
+                    async def one(k: int, turn: int = turn, due: list[int] = due) -> None:
+                        await take_turn(due[k], turn)
+
+                    await closed_loop(len(due), concurrency, one)
+            else:
+                await closed_loop(len(sessions), concurrency, converse)
         finally:
             bar.close()
     records.sort(key=lambda r: r.index)
@@ -92,6 +117,7 @@ async def run_sessions(
         "ignore_eos": ignore_eos,
         "timeout_s": timeout_s,
         "arrival": {**describe(Concurrency(concurrency)), "of": "sessions"},
+        "turn_order": "rounds" if rounds else "sessions",
         "num_requests": total,
         "num_sessions": len(sessions),
         "dropped": dropped,

@@ -157,7 +157,7 @@ class WorkerCapacity(_message.Message):
     def __init__(self, total_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "grpc_address", "metrics_address", "transports", "model", "capacity", "host_id", "started_unix_ns", "version", "kv_region_digest")
+    __slots__ = ("worker_id", "role", "grpc_address", "metrics_address", "transports", "model", "capacity", "host_id", "started_unix_ns", "version", "kv_region_digest", "kv_store")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,7 @@ class WorkerInfo(_message.Message):
     STARTED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     KV_REGION_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     grpc_address: str
@@ -180,4 +181,5 @@ class WorkerInfo(_message.Message):
     started_unix_ns: int
     version: str
     kv_region_digest: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., grpc_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., capacity: _Optional[_Union[WorkerCapacity, _Mapping]] = ..., host_id: _Optional[str] = ..., started_unix_ns: _Optional[int] = ..., version: _Optional[str] = ..., kv_region_digest: _Optional[str] = ...) -> None: ...
+    kv_store: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., grpc_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., capacity: _Optional[_Union[WorkerCapacity, _Mapping]] = ..., host_id: _Optional[str] = ..., started_unix_ns: _Optional[int] = ..., version: _Optional[str] = ..., kv_region_digest: _Optional[str] = ..., kv_store: _Optional[str] = ...) -> None: ...

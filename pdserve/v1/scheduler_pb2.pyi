@@ -80,7 +80,7 @@ class LoadSnapshot(_message.Message):
     def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "state", "sequence", "load", "cached_block_hashes_added", "cached_block_hashes_removed", "cache_snapshot")
+    __slots__ = ("worker_id", "state", "sequence", "load", "cached_block_hashes_added", "cached_block_hashes_removed", "cache_snapshot", "stored_block_hashes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class HeartbeatRequest(_message.Message):
     CACHED_BLOCK_HASHES_ADDED_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCK_HASHES_REMOVED_FIELD_NUMBER: _ClassVar[int]
     CACHE_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     state: WorkerState
     sequence: int
@@ -95,7 +96,8 @@ class HeartbeatRequest(_message.Message):
     cached_block_hashes_added: _containers.RepeatedScalarFieldContainer[int]
     cached_block_hashes_removed: _containers.RepeatedScalarFieldContainer[int]
     cache_snapshot: bool
-    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., sequence: _Optional[int] = ..., load: _Optional[_Union[LoadSnapshot, _Mapping]] = ..., cached_block_hashes_added: _Optional[_Iterable[int]] = ..., cached_block_hashes_removed: _Optional[_Iterable[int]] = ..., cache_snapshot: _Optional[bool] = ...) -> None: ...
+    stored_block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., sequence: _Optional[int] = ..., load: _Optional[_Union[LoadSnapshot, _Mapping]] = ..., cached_block_hashes_added: _Optional[_Iterable[int]] = ..., cached_block_hashes_removed: _Optional[_Iterable[int]] = ..., cache_snapshot: _Optional[bool] = ..., stored_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("resync_cache", "heartbeat_interval_ms")

@@ -47,6 +47,15 @@ class StoreLink:
     def enabled(self) -> bool:
         return self.args.enabled and self.aengine.engine.staging is None
 
+    @property
+    def master(self) -> str:
+        """The store's master this worker registers with the scheduler ("" none)."""
+        return (self.args.kv_store or "") if self.enabled else ""
+
+    def confirmed(self) -> list[int]:
+        """Blocks confirmed in the store since the last call (for the heartbeat)."""
+        return self.store.drain_confirmed() if self.store is not None else []
+
     def loading(self) -> dict[str, Any]:
         """``loaded_prefix``'s keyword arguments."""
         return {

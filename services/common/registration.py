@@ -43,10 +43,14 @@ class Registrar:
         interval_s: float = 1.0,
         cache: CacheEventLog | None = None,
         event_interval_s: float = EVENT_INTERVAL_S,
+        stored: Callable[[], list[int]] | None = None,
     ) -> None:
+        """``stored()``: the blocks confirmed in the worker's KV store since the last call
+        (each heartbeat carries them)."""
         self.info = info
         self._load = load
         self._cache = cache
+        self._stored = stored
         self.interval_s = interval_s
         self.event_interval_s = event_interval_s
         self._channel = cluster_auth.channel(scheduler_address, options=SCHEDULER_CHANNEL_OPTIONS)
@@ -101,6 +105,8 @@ class Registrar:
                 self._seq = 0  # a new registration starts a new heartbeat sequence
                 log.info("registered", worker_id=self.info.worker_id)
             fields = self._cache_fields()
+            if self._stored is not None:
+                fields["stored_block_hashes"] = self._stored()
             # Until the scheduler answers, the next heartbeat sends a snapshot: a delta lost
             # with a failed call cannot be sent again.
             self._snapshot_due = True

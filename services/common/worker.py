@@ -108,9 +108,10 @@ def worker_info(
     engine: LLMEngine,
     transports: list[str],
     kv_region: MemoryRegionHandle | None = None,
+    kv_store: str = "",
 ) -> common_pb2.WorkerInfo:
     """``kv_region``: the region prefill workers write into (decode workers); its digest is
-    what placement tokens name."""
+    what placement tokens name. ``kv_store``: the KV store's master it loads from."""
     host = server.address.rsplit(":", 1)[0]
     digest = ""
     if kv_region is not None:
@@ -132,6 +133,7 @@ def worker_info(
         ),
         host_id=host_id(),
         started_unix_ns=time.time_ns(),
+        kv_store=kv_store,
     )
 
 
@@ -211,10 +213,12 @@ async def serve_worker(
     background = [publish_gauges()]
     registrar = None
     if args.scheduler:
-        info = worker_info(args, role, server, aengine.engine, transports, kv_region)
+        master = store.master if store is not None else ""
+        info = worker_info(args, role, server, aengine.engine, transports, kv_region, master)
         registrar = Registrar(
             args.scheduler, info, lambda: load_snapshot(aengine.stats, role),
             interval_s=args.heartbeat_interval_s, cache=aengine.engine.cache_events,
+            stored=store.confirmed if store is not None else None,
         )  # fmt: skip
         background.append(registrar.run())
 

@@ -111,6 +111,8 @@ class WorkerInfo:
     version: str = ""
     kv_region_digest: str = ""
     """Decode workers: the identity of their registered KV region (placement tokens name it)."""
+    kv_store: str = ""
+    """host:port of the KV store's master the worker loads prefixes from ("" none)."""
 
 
 @dataclass(frozen=True)
@@ -252,6 +254,7 @@ class HeartbeatReport:
     cached_added: tuple[int, ...] = ()
     cached_removed: tuple[int, ...] = ()
     cache_snapshot: bool = False
+    stored: tuple[int, ...] = ()  # block hashes confirmed in the worker's KV store
 
 
 @dataclass(frozen=True)

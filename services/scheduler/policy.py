@@ -16,8 +16,10 @@ Admission, in order (the first failing check decides the rejection):
 
 Cached tokens. ``cached(w)`` is the prompt's longest prefix of full blocks that worker ``w``
 holds in its prefix cache, by the index its KV events feed (block hash → workers), capped
-at prompt - 1 (the last token is always computed, for its logits). ``uncached(w)`` =
-prompt - ``cached(w)``: the tokens ``w`` would compute.
+at prompt - 1 (the last token is always computed, for its logits). ``loadable(w)``: the
+tokens beyond those that ``w``'s KV store holds (the leading blocks its workers confirmed
+there lately: ``store_index``), which ``w`` would load instead of computing.
+``uncached(w)`` = prompt - ``cached(w)`` - ``loadable(w)``: the tokens ``w`` would compute.
 
 Choice, by ``Routing`` (``--routing``; every order ends with the worker id, so the choice is
 deterministic):
@@ -25,7 +27,8 @@ deterministic):
 * ``cache-aware`` (default), the cost of Dynamo's KV router in tokens and blocks:
   - prefill: the smallest ``uncached(p) + queued_prompt_tokens(p)``: the prompt tokens the
     worker must compute before this prompt's KV is complete (its backlog, then the part of
-    this prompt it does not hold); ties: fewer active sequences, then worker id;
+    this prompt it neither holds nor loads), plus ``loadable(p)`` at
+    ``STORE_LOAD_TOKEN_COST`` a token; ties: fewer active sequences, then worker id;
   - decode: among the workers running at most ``DECODE_CACHE_SLACK`` sequences more than
     the least busy one, the one holding the longest prefix of the prompt (a conversation's
     earlier turns: its KV need not be moved, and the new turn may be prefilled in place);
@@ -51,6 +54,7 @@ the state loop's expiry tick removes them, and so is their part of the prefix in
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -67,6 +71,7 @@ from services.scheduler.model import (
     WorkerView,
     blocks_for,
 )
+from services.scheduler.store_index import StoreIndex
 
 HOST_LOCAL_TRANSPORTS = frozenset({"shm", "cuda_ipc"})
 """Transports that only work between two workers on the same host."""
@@ -76,6 +81,11 @@ DECODE_CACHE_SLACK = 2
 turns) is preferred while it runs at most this many sequences more than the least busy
 one. One more sequence adds a few percent to every step of that worker; a worker that holds
 the conversation receives fewer KV bytes and may prefill the new turn itself."""
+
+STORE_LOAD_TOKEN_COST = 0.01
+"""A prompt token loaded from the KV store costs this fraction of one computed: measured
+here, a 3,000-token prefix loads in ~0.06 s and computes in ~8 s on one core (about 1/130;
+docs/benchmarks.md, "KV store"), rounded up for the store's lookups and the copy."""
 
 LOCAL_PREFILL_MAX_TOKENS = 32
 """The default local-prefill limit: on this project's reference machine (docs/benchmarks.md,
@@ -111,7 +121,8 @@ class ClusterSnapshot:
     ``prefix_index`` maps a block hash to the ids of the workers known to cache that block.
     It must not change while ``place`` runs (the state loop guarantees that by calling
     ``place`` synchronously). ``last_prefill`` / ``last_decode``: the workers of the
-    previous placement (round-robin continues after them).
+    previous placement (round-robin continues after them). ``store_index``: likewise read
+    only while ``place`` runs.
     """
 
     workers: tuple[WorkerView, ...]
@@ -122,6 +133,8 @@ class ClusterSnapshot:
     routing: Routing = Routing.CACHE_AWARE
     last_prefill: str = ""
     last_decode: str = ""
+    store_index: StoreIndex | None = None
+    """The blocks each KV store holds (``store_index``); None: no store is known."""
 
 
 def is_live(worker: WorkerView, now: float, lease_ttl_s: float) -> bool:
@@ -207,26 +220,60 @@ def has_prefill_room(worker: WorkerView, req: PlaceRequest, limits: AdmissionLim
 
 @dataclass(frozen=True)
 class _CacheView:
-    """What the prefix index says about one request, per worker."""
+    """What the prefix index and the KV stores' index say about one request, per worker.
+
+    ``stored_runs``: per store, the leading prompt blocks it holds (``store_index``)."""
 
     req: PlaceRequest
     overlaps: Mapping[str, int]
     routing: Routing
+    stored_runs: Mapping[str, int]
+
+    def _tokens(self, blocks: int) -> int:
+        bs = self.req.hash_block_size
+        if bs <= 0:
+            return 0
+        return min(blocks, (self.req.prompt_tokens - 1) // bs) * bs
 
     def cached(self, worker: WorkerView) -> int:
         """Prompt tokens ``worker`` holds (full blocks; the last token is always computed,
         for its logits)."""
-        bs = self.req.hash_block_size
-        if bs <= 0:
-            return 0
-        blocks = min(self.overlaps.get(worker.worker_id, 0), (self.req.prompt_tokens - 1) // bs)
-        return blocks * bs
+        return self._tokens(self.overlaps.get(worker.worker_id, 0))
+
+    def loadable(self, worker: WorkerView) -> int:
+        """Prompt tokens beyond ``cached`` that ``worker`` would load from its KV store."""
+        stored = self._tokens(self.stored_runs.get(worker.info.kv_store, 0))
+        return max(0, stored - self.cached(worker))
+
+    def reused(self, worker: WorkerView) -> int:
+        """Prompt tokens ``worker`` would not compute: its cache's, then its store's."""
+        return self.cached(worker) + self.loadable(worker)
 
     def uncached(self, worker: WorkerView) -> int:
         """Prompt tokens ``worker`` would compute, as far as the routing looks at caches."""
         if self.routing is not Routing.CACHE_AWARE:
             return self.req.prompt_tokens
-        return self.req.prompt_tokens - self.cached(worker)
+        return self.req.prompt_tokens - self.reused(worker)
+
+    def cost(self, worker: WorkerView) -> int:
+        """A prefill worker's cost in prompt tokens: what it would compute, plus what it
+        would load at ``STORE_LOAD_TOKEN_COST`` of a computed token each."""
+        return self.uncached(worker) + math.ceil(self.loadable(worker) * STORE_LOAD_TOKEN_COST)
+
+
+def stored_runs(
+    workers: Iterable[WorkerView], req: PlaceRequest, snapshot: ClusterSnapshot
+) -> dict[str, int]:
+    """Per KV store the ``workers`` name, the leading prompt blocks it holds."""
+    index = snapshot.store_index
+    if index is None or req.hash_block_size <= 0:
+        return {}
+    stores = {
+        w.info.kv_store
+        for w in workers
+        if w.info.kv_store and w.info.capacity.block_size == req.hash_block_size
+    }
+    return {s: index.leading_run(s, req.prompt_block_hashes, snapshot.now) for s in stores}
 
 
 def _decode_order(
@@ -260,7 +307,7 @@ def _choose_prefill(
         return min(ready, key=lambda w: (w.queued_prompt_tokens, w.active_sequences, w.worker_id))
     return min(
         ready,
-        key=lambda w: (cache.uncached(w) + w.queued_prompt_tokens, w.active_sequences, w.worker_id),
+        key=lambda w: (cache.cost(w) + w.queued_prompt_tokens, w.active_sequences, w.worker_id),
     )
 
 
@@ -313,7 +360,12 @@ def place(snapshot: ClusterSnapshot, req: PlaceRequest) -> Placement | Rejection
             retry=False,
         )
 
-    cache = _CacheView(req, prefix_overlaps(usable, req, snapshot.prefix_index), snapshot.routing)
+    cache = _CacheView(
+        req,
+        prefix_overlaps(usable, req, snapshot.prefix_index),
+        snapshot.routing,
+        stored_runs(usable, req, snapshot),
+    )
     with_room = [w for w in decoders if has_decode_room(w, req, limits)]
     if not with_room:
         return reject(RejectReason.CAPACITY, "no decode worker has free KV blocks or slots")
@@ -332,7 +384,7 @@ def place(snapshot: ClusterSnapshot, req: PlaceRequest) -> Placement | Rejection
             decode=decode.info,
             prefill=None,
             mode=mode,
-            expected_cached_tokens=cache.cached(decode),
+            expected_cached_tokens=cache.reused(decode),
             decode_kv_blocks=decode_blocks_needed(decode, req),
         )
 
@@ -355,7 +407,7 @@ def place(snapshot: ClusterSnapshot, req: PlaceRequest) -> Placement | Rejection
                 decode=decode.info,
                 prefill=prefill.info,
                 mode=PrefillMode.DISAGGREGATED,
-                expected_cached_tokens=cache.cached(prefill),
+                expected_cached_tokens=cache.reused(prefill),
                 decode_kv_blocks=decode_blocks_needed(decode, req),
             )
     return reject(RejectReason.CAPACITY, "every compatible prefill worker's queue is full")

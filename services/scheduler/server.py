@@ -135,6 +135,7 @@ def worker_info_from_pb(pb: common_pb2.WorkerInfo) -> WorkerInfo:
         started_unix_ns=pb.started_unix_ns,
         version=pb.version,
         kv_region_digest=pb.kv_region_digest,
+        kv_store=pb.kv_store,
     )
 
 
@@ -159,6 +160,7 @@ def worker_info_to_pb(info: WorkerInfo) -> common_pb2.WorkerInfo:
         started_unix_ns=info.started_unix_ns,
         version=info.version,
         kv_region_digest=info.kv_region_digest,
+        kv_store=info.kv_store,
     )
 
 
@@ -216,6 +218,7 @@ def heartbeat_from_pb(pb: scheduler_pb2.HeartbeatRequest) -> HeartbeatReport:
         cached_added=tuple(pb.cached_block_hashes_added),
         cached_removed=tuple(pb.cached_block_hashes_removed),
         cache_snapshot=pb.cache_snapshot,
+        stored=tuple(pb.stored_block_hashes),
     )
 
 

@@ -47,6 +47,8 @@ from services.scheduler.model import (
 )
 from services.scheduler.policy import AdmissionLimits, ClusterSnapshot, place
 from services.scheduler.store import NullSink, RecordSink, StoredWorker
+from services.scheduler.store_index import DEFAULT_TTL_S as DEFAULT_STORE_TTL_S
+from services.scheduler.store_index import StoreIndex
 
 log = structlog.get_logger(__name__)
 
@@ -153,6 +155,8 @@ class StateConfig:
     placement_memo_max: int = 100_000
     tick_s: float | None = None
     """Expiry tick period; default: a tenth of the lease, within [0.05, 1] s."""
+    store_index_ttl_s: float = DEFAULT_STORE_TTL_S
+    """How long a block confirmed in a KV store counts as held there (``store_index``)."""
 
     @property
     def expire_tick_s(self) -> float:
@@ -186,6 +190,7 @@ class SchedulerState:
         )
         self._workers: dict[str, _Worker] = {}
         self._index: dict[int, set[str]] = {}
+        self._stored = StoreIndex(config.store_index_ttl_s)
         self._memo: OrderedDict[tuple[str, int], tuple[float, Placement]] = OrderedDict()
         self._last_prefill = ""  # the previous placement's workers (round-robin)
         self._last_decode = ""
@@ -369,6 +374,7 @@ class SchedulerState:
             lease_ttl_s=self._config.lease_ttl_s,
             limits=self._config.limits,
             routing=self._config.routing,
+            store_index=self._stored,
             last_prefill=self._last_prefill,
             last_decode=self._last_decode,
         )
@@ -417,6 +423,7 @@ class SchedulerState:
                 worker, added=set(report.cached_added), removed=set(report.cached_removed)
             )
         worker.last_sequence = report.sequence
+        self._stored.note(worker.info.kv_store, report.stored, now)
         # The reported load includes requests placed well before this heartbeat; newer
         # reservations may not have reached the worker yet, so they stay counted.
         settled = now - self._settle_s
@@ -496,6 +503,7 @@ class SchedulerState:
 
     def _expire(self) -> list[str]:
         now = self._clock()
+        self._stored.expire(now)
         ttl = self._config.lease_ttl_s
         dead = [wid for wid, w in self._workers.items() if now - w.last_seen > ttl]
         for worker_id in dead:

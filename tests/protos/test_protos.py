@@ -317,6 +317,7 @@ _WORKER = common_pb2.WorkerInfo(
     started_unix_ns=1_764_000_000_123_456_789,
     version="0.1.0",
     kv_region_digest="ab" * 32,
+    kv_store="kv-store:50090",
 )
 _HASHES = [0, 1, 2**63 + 5, 2**64 - 1]
 
@@ -400,6 +401,7 @@ SAMPLES: dict[str, Message] = {
             load=scheduler_pb2.LoadSnapshot(running_requests=1, total_kv_blocks=4096),
             cached_block_hashes_added=_HASHES,
             cached_block_hashes_removed=[7],
+            stored_block_hashes=[2**64 - 1, 5],
             cache_snapshot=False,
         ),
         scheduler_pb2.HeartbeatReply(resync_cache=True, heartbeat_interval_ms=2000),

@@ -105,3 +105,25 @@ async def test_a_failed_turn_ends_its_session_only(serve: Serve) -> None:
     assert result.config["dropped"] == 1 and result.config["num_requests"] == 5
     assert [r.index for r in result.records] == [0, 1, 3, 4]
     assert all(m[-1]["content"] != "never" for m in seen)
+
+
+async def test_rounds_send_every_sessions_turn_before_any_next_turn(serve: Serve) -> None:
+    seen: list[list[dict[str, str]]] = []
+    state = {"in_flight": 0, "max": 0}
+    url = await serve(None, chat_server(seen, state))
+    sessions = [session(0, "a0", "a1", "a2"), session(1, "b0", "FAIL", "never"),
+                session(2, "c0", "c1")]  # fmt: skip
+    result = await run(url, sessions, concurrency=2, rounds=True)
+    order = [m[-1]["content"] for m in seen]
+    # round 0 (any order within it), then round 1, then round 2: only a2 is left by then
+    assert sorted(order[:3]) == ["a0", "b0", "c0"]
+    assert sorted(order[3:6]) == ["FAIL", "a1", "c1"]
+    assert order[6:] == ["a2"]
+    assert state["max"] == 2
+    a1 = next(m for m in seen if m[-1]["content"] == "a1")
+    assert [m["content"] for m in a1] == ["SYS", "a0", "a0!", "a1"]  # its own answers only
+    assert [(r.session, r.turn, r.ok) for r in result.records] == [
+        (0, 0, True), (0, 1, True), (0, 2, True), (1, 0, True), (1, 1, False),
+        (2, 0, True), (2, 1, True),
+    ]  # fmt: skip
+    assert result.config["dropped"] == 1 and result.config["turn_order"] == "rounds"

@@ -12,6 +12,7 @@ from services.scheduler.model import (
     WorkerView,
 )
 from services.scheduler.policy import AdmissionLimits, ClusterSnapshot
+from services.scheduler.store_index import StoreIndex
 
 BLOCK = 16
 NOW = 1000.0
@@ -38,6 +39,7 @@ def info(
     model: str = "m",
     transports: tuple[str, ...] = ("tcp",),
     host_id: str = "h1",
+    kv_store: str = "",
 ) -> WorkerInfo:
     return WorkerInfo(
         worker_id=worker_id,
@@ -47,6 +49,7 @@ def info(
         model=model,
         transports=transports,
         host_id=host_id,
+        kv_store=kv_store,
     )
 
 
@@ -66,11 +69,20 @@ def view(
     host_id: str = "h1",
     pending_blocks: int = 0,
     pending_seqs: int = 0,
+    kv_store: str = "",
 ) -> WorkerView:
     """A worker whose last heartbeat was ``age`` seconds before ``NOW``."""
     cap = cap or capacity()
     return WorkerView(
-        info=info(worker_id, role, cap=cap, model=model, transports=transports, host_id=host_id),
+        info=info(
+            worker_id,
+            role,
+            cap=cap,
+            model=model,
+            transports=transports,
+            host_id=host_id,
+            kv_store=kv_store,
+        ),
         state=state,
         load=WorkerLoad(
             running_requests=running,
@@ -89,6 +101,7 @@ def snapshot(
     *workers: WorkerView,
     index: dict[int, set[str]] | None = None,
     limits: AdmissionLimits | None = None,
+    store_index: StoreIndex | None = None,
 ) -> ClusterSnapshot:
     return ClusterSnapshot(
         workers=workers,
@@ -96,6 +109,7 @@ def snapshot(
         now=NOW,
         lease_ttl_s=TTL,
         limits=limits or AdmissionLimits(),
+        store_index=store_index,
     )
 
 

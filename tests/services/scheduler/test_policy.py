@@ -28,6 +28,7 @@ from services.scheduler.policy import (
     place,
     prefix_overlaps,
 )
+from services.scheduler.store_index import StoreIndex
 from tests.services.scheduler.builders import (
     BLOCK,
     NOW,
@@ -435,6 +436,46 @@ def test_a_short_uncached_suffix_is_prefilled_on_the_decode_worker() -> None:
     # Cache-blind routing still prefills a short prompt locally.
     short = request(prompt=32)
     assert _placed(place(blind, short)).mode is PrefillMode.LOCAL_SHORT_PROMPT
+
+
+def _stored(*hashes: int, store: str = "kv:1") -> StoreIndex:
+    index = StoreIndex(ttl_s=60.0)
+    index.note(store, hashes, now=NOW)
+    return index
+
+
+def test_blocks_the_kv_store_holds_count_as_loaded_not_computed() -> None:
+    # p1 caches 1 block of 5, p2 none, but their store holds 4: each would load up to 64
+    # tokens and compute 16. Loading costs a hundredth of computing: p1 (loads 48) is
+    # cheaper than p2 (loads 64) by one token, so a backlog of one token tips it.
+    index = {11: {"p1"}}
+    req = request(prompt=80, hashes=H)
+    store = _stored(*H)
+    for p1_backlog, expected in ((0, "p1"), (1, "p2"), (40, "p2")):
+        p1 = view("p1", Role.PREFILL, queued_tokens=p1_backlog, kv_store="kv:1")
+        p2 = view("p2", Role.PREFILL, kv_store="kv:1")
+        got = _placed(place(snapshot(view("d1"), p1, p2, index=index, store_index=store), req))
+        assert got.prefill is not None and got.prefill.worker_id == expected, p1_backlog
+        assert got.expected_cached_tokens == 64  # cached or loaded: not computed
+    # Without the store, the cache decides; a worker of another store, or none, loads nothing.
+    p1, p2 = view("p1", Role.PREFILL, queued_tokens=10), view("p2", Role.PREFILL)
+    assert _prefill_of(place(snapshot(view("d1"), p1, p2, index=index, store_index=store),
+                             req)) == "p1"  # fmt: skip
+    p2 = view("p2", Role.PREFILL, kv_store="kv:2")
+    got = _placed(place(snapshot(view("d1"), p1, p2, index=index, store_index=store), req))
+    assert got.prefill is not None and got.prefill.worker_id == "p1"
+    assert got.expected_cached_tokens == BLOCK
+
+
+def test_a_decode_worker_loads_a_stored_prefix_and_prefills_the_suffix_itself() -> None:
+    # The store holds 4 blocks of an 80-token prompt: 16 tokens left, within the limit.
+    req = request(prompt=80, hashes=H)
+    workers = (view("d1", kv_store="kv:1"), view("p1", Role.PREFILL, kv_store="kv:1"))
+    local = _placed(place(snapshot(*workers, store_index=_stored(*H)), req))
+    assert local.prefill is None and local.mode is PrefillMode.LOCAL_SHORT_PROMPT
+    assert local.expected_cached_tokens == 64
+    # A run with a hole is only its leading part: 64 tokens to compute, on p1.
+    assert _prefill_of(place(snapshot(*workers, store_index=_stored(11, 33, 44)), req)) == "p1"
 
 
 def test_the_last_prompt_token_is_never_counted_as_cached() -> None:
