@@ -39,6 +39,10 @@ from kvstore.block_format import HEADER_BYTES, BlockFormat, BlockMismatch
 log = structlog.get_logger(__name__)
 
 KNOWN_FOR_S = 60.0
+# A put the store refuses (its pool full until it evicts, or offloads to SSD first) is tried
+# again this often, this many times in all, while its block waits in the write buffer.
+PUT_ATTEMPTS = 4
+PUT_RETRY_S = 0.5
 _KNOWN_MAX = 1 << 18
 _PUT_BATCH = 64
 _STOP = object()
@@ -146,7 +150,12 @@ class KVStore:
                     break
                 batch.append(item)
             try:
-                self._put(batch)
+                for attempt in range(PUT_ATTEMPTS):
+                    if attempt:
+                        time.sleep(PUT_RETRY_S)
+                    batch = self._put(batch, last=attempt == PUT_ATTEMPTS - 1)
+                    if not batch:
+                        break
             except Exception:
                 self.stats.failed_puts += len(batch)
                 log.warning("kv_store_put_failed", blocks=len(batch), exc_info=True)
@@ -154,14 +163,18 @@ class KVStore:
                 with self._free_lock:
                     self._free.extend(slot for _, slot in batch)
 
-    def _put(self, batch: list[tuple[int, int]]) -> None:
+    def _put(self, batch: list[tuple[int, int]], *, last: bool) -> list[tuple[int, int]]:
+        """Put what the store lacks; returns the blocks it refused (counted on the ``last``
+        attempt), whose slots the caller still holds."""
         keys = [self.fmt.key(h) for h, _ in batch]
         there = self.backend.exists(keys)
         todo = [(k, h, s) for k, (h, s), t in zip(keys, batch, there, strict=True) if not t]
         self.stats.already_stored_blocks += len(batch) - len(todo)
         self._remember(h for (h, _), t in zip(batch, there, strict=True) if t)
+        done = [slot for (_, slot), t in zip(batch, there, strict=True) if t]
         if not todo:
-            return
+            self._release(done)
+            return []
         obj = self.fmt.object_bytes
         base = self._write_buf.data_ptr()
         ok = self.backend.put_from([k for k, _, _ in todo], [base + s * obj for _, _, s in todo],
@@ -169,8 +182,17 @@ class KVStore:
         stored = [h for (_, h, _), good in zip(todo, ok, strict=True) if good]
         self.stats.stored_blocks += len(stored)
         self.stats.stored_bytes += len(stored) * obj
-        self.stats.failed_puts += len(todo) - len(stored)
         self._remember(stored)
+        refused = [(h, s) for (_, h, s), good in zip(todo, ok, strict=True) if not good]
+        if last:
+            self.stats.failed_puts += len(refused)
+        # Last: an exception before this leaves every slot to the caller to free, once.
+        self._release(done + [s for (_, _, s), good in zip(todo, ok, strict=True) if good])
+        return refused
+
+    def _release(self, slots: list[int]) -> None:
+        with self._free_lock:
+            self._free.extend(slots)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued block was put (or failed); False on timeout. For tests

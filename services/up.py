@@ -48,6 +48,7 @@ from services.common import settings
 from services.common.config import cpu_list, tcp_congestion
 from services.common.engine_args import EngineArgs
 from services.common.settings import setting
+from services.common.worker_args import MIN_SEGMENT_MIB
 from services.launcher import Proc, Stack, default_log_dir, free_port, py, redis_proc
 from services.prometheus import READY_LINE, prometheus_exe, prometheus_proc, scrape_config
 from services.scheduler.model import Routing
@@ -137,8 +138,8 @@ class UpConfig:
     engine: EngineArgs = field(default_factory=EngineArgs)
 
     def __post_init__(self) -> None:
-        if self.kv_store_segment_mib < 0:
-            raise ValueError("kv_store_segment_mib must be >= 0")
+        if self.kv_store_segment_mib < 0 or 0 < self.kv_store_segment_mib < MIN_SEGMENT_MIB:
+            raise ValueError(f"kv_store_segment_mib must be 0 or at least {MIN_SEGMENT_MIB}")
         if self.local_prefill_max_tokens < 0:
             raise ValueError("local_prefill_max_tokens must be >= 0")
         if not self.colocated and (self.prefill < 1 or self.decode < 1):

@@ -52,6 +52,7 @@ class WorkerArgs:
 
 
 MOONCAKE_PROTOCOLS = ("auto", "tcp", "rdma")
+MIN_SEGMENT_MIB = 16  # Mooncake Store's setup refuses 8 and 12 MiB (-600), takes 16 and 20
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,8 @@ class KVStoreArgs:
     )
     kv_store_segment_mib: int = setting(
         256,
-        "MiB of this process's DRAM lent to the store's pool (0: the store is off)",
+        "MiB of this process's DRAM lent to the store's pool (0: the store is off; else at "
+        "least 16)",
         env="PDSERVE_KV_STORE_SEGMENT_MIB",
     )
     kv_store_protocol: str = setting(
@@ -126,8 +128,11 @@ class KVStoreArgs:
     )
 
     def __post_init__(self) -> None:
-        if self.kv_store_segment_mib < 0:
-            raise ValueError(f"kv_store_segment_mib must be >= 0, got {self.kv_store_segment_mib}")
+        if self.kv_store_segment_mib < 0 or 0 < self.kv_store_segment_mib < MIN_SEGMENT_MIB:
+            raise ValueError(
+                f"kv_store_segment_mib must be 0 (off) or at least {MIN_SEGMENT_MIB} (Mooncake "
+                f"refuses smaller segments), got {self.kv_store_segment_mib}"
+            )
         if self.kv_store_replicas < 1:
             raise ValueError(f"kv_store_replicas must be >= 1, got {self.kv_store_replicas}")
         if self.kv_store_write_buffer_mib < 1:

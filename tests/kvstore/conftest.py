@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvstore.master_process import MooncakeMaster
 from tests.engine.conftest import default_checkpoint, default_tokenizer, make_engine
-from tests.mooncake_master import MooncakeMaster
 
 __all__ = ["default_checkpoint", "default_tokenizer", "make_engine"]
 

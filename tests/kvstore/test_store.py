@@ -21,11 +21,11 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from kvstore.backend import MooncakeBackend, MooncakeOptions
 from kvstore.block_format import BlockFormat
+from kvstore.master_process import MooncakeMaster
 from kvstore.prefix import loaded_prefix
 from kvstore.store import KVStore
 from tests.engine.parity import assert_greedy_equal
 from tests.engine.test_disagg_roles import _copy_layer
-from tests.mooncake_master import MooncakeMaster
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 BS = 16

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.mooncake_master import MooncakeMaster
+from kvstore.master_process import MooncakeMaster
 from tests.scrape import metric
 from tests.services.procs import ServiceProcess, start_service
 from tests.services.test_workers_e2e import _free_port, _generate, _request

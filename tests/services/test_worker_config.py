@@ -64,3 +64,18 @@ def test_help_is_fast_and_names_the_environment(module: str) -> None:
     service = module.rsplit(".", 1)[1].upper()
     assert f"PDSERVE_{service}_<FLAG>" in done.stdout
     assert "--log-level" in done.stdout and "--drain-timeout-s" in done.stdout
+
+
+def test_the_kv_store_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    off = prefill_config([], {}).store
+    assert off.kv_store is None and not off.enabled  # no master named: no store
+    # PDSERVE_KV_STORE is read by every worker alike
+    env = {"PDSERVE_KV_STORE": "kv-store:50090"}
+    assert prefill_config([], env).store.enabled and decode_config([], env).store.enabled
+    assert not decode_config(["--kv-store-segment-mib", "0"], env).store.enabled
+    for bad in (["--kv-store-segment-mib", "8"], ["--kv-store", "no-port"],
+                ["--kv-store-replicas", "0"], ["--kv-store-load-timeout-s", "0"]):  # fmt: skip
+        with pytest.raises(SystemExit) as exc:
+            decode_config(bad, {})
+        assert exc.value.code == 2, bad
+    assert "at least 16" in capsys.readouterr().err

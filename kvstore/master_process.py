@@ -9,6 +9,7 @@ master.stop()
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -16,7 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.master import READY_LINE, master_argv
-from tests.redis_server import free_port
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @dataclass
