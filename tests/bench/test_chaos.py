@@ -106,7 +106,7 @@ def test_a_small_chaos_run_meets_the_acceptance(tmp_path: Path, transport: str) 
             restart_redis=True,
             restart_kv_store=True,
             context_words=160,
-            kv_cache_mib=16,
+            kv_cache_mib=128,
             log_dir=str(tmp_path / "logs"),
         )
     )
