@@ -3,11 +3,19 @@
 Order: redis-server -> scheduler -> prefill workers -> decode workers -> gateway. Each
 process prints ``READY <role> <address>`` when it serves; ``up`` waits for every one (with
 a deadline), prints the endpoints, and on Ctrl-C / SIGTERM stops them in reverse order
-(SIGTERM, which drains, then SIGKILL after a grace period).
+(SIGTERM, which drains, then SIGKILL after a grace period longer than the drain).
+
+Every process dies with the one that started it: each child asks the kernel for SIGKILL
+when its parent goes (``PR_SET_PDEATHSIG``), so a ``kill -9`` of ``pdserve up`` leaves no
+service holding its ports or writing to a dead pipe. The kernel ties that signal to the
+*thread* that forked the child: a ``Stack`` starts and restarts its processes from one
+thread that lives as long as the stack (``pdserve up``'s main thread). Each process's log
+rotates at ``MAX_LOG_BYTES`` (the current file and one older, ``.log.1``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -22,6 +30,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 READY_TIMEOUT_S = 180.0
+# The workers drain for 30 s on SIGTERM (--drain-timeout-s): stopping waits longer than that.
+STOP_GRACE_S = 35.0
+MAX_LOG_BYTES = 64 << 20
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    """In a child, before exec: SIGKILL when the parent dies; exits now if it already did."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died between fork and prctl
+        os._exit(1)
 
 
 @dataclass
@@ -77,11 +98,15 @@ class Stack:
         return next(p for p in self.procs if p.name == name)
 
     def _spawn(self, proc: Proc, log_mode: str) -> None:
+        parent = os.getpid()
+
         def pin() -> None:
+            _die_with_parent(parent)
             if proc.cpus:
                 os.sched_setaffinity(0, proc.cpus)
 
-        log = open(self.log_dir / f"{proc.name}.log", log_mode)
+        path = self.log_dir / f"{proc.name}.log"
+        log = open(path, log_mode)
         proc.popen = subprocess.Popen(
             proc.argv,
             stdout=subprocess.PIPE,
@@ -93,11 +118,16 @@ class Stack:
         popen, ready_line = proc.popen, proc.ready_line
 
         def pump() -> None:
+            nonlocal log
             assert popen.stdout is not None
-            with log:
+            try:
                 for line in popen.stdout:
                     log.write(line)
                     log.flush()
+                    if log.tell() > MAX_LOG_BYTES:  # rotate: the pump owns the file
+                        log.close()
+                        path.replace(path.with_suffix(".log.1"))
+                        log = open(path, "w")
                     proc.lines.append(line)
                     del proc.lines[:-200]
                     if self.echo:
@@ -108,6 +138,8 @@ class Stack:
                             proc.address = parts[2]
                         proc.ready_text = line.strip()
                         proc.ready.set()
+            finally:
+                log.close()
 
         threading.Thread(target=pump, name=f"log-{proc.name}", daemon=True).start()
         if ready_line is None:
@@ -127,7 +159,7 @@ class Stack:
                         f"{p.name} not ready after {timeout:.0f}s:\n{''.join(p.lines)}"
                     )
 
-    def stop(self, grace: float = 15.0) -> None:
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
         for p in reversed(self.procs):
             if p.popen is not None and p.popen.poll() is None:
                 p.popen.send_signal(signal.SIGTERM)

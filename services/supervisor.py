@@ -3,7 +3,9 @@ within a restart budget, while the rest keep serving.
 
 Lifecycle of a dead process (``Supervisor.tick``, called every half second): found dead ->
 restartable? (else the stack stops; ``pdserve up`` restarts every process) -> within its
-budget (``RestartPolicy.budget`` restarts in ``window_s``)? else the stack stops -> restart
+budget (``RestartPolicy.budget`` restarts in ``window_s``)? else an essential process (the
+control plane) stops the stack, any other (a worker, the KV store's master) is given up on
+and stays down while the rest keep serving -> restart
 due after ``RestartPolicy.delay`` (doubling from ``first_delay_s`` up to ``max_delay_s``) ->
 restarted with the same command line, so on the same port. A restarted worker registers
 again under its worker id, which replaces its dead incarnation at the scheduler at once; a
@@ -48,7 +50,9 @@ class Supervisor:
     """Restarts a ``Stack``'s dead ``restartable`` processes under ``policy``.
 
     ``tick`` returns None while the stack can go on, or why it must stop. ``say`` receives a
-    line for the operator about every death and restart.
+    line for the operator about every death and restart. ``essential``: the processes
+    without which the stack cannot serve (default: every restartable one); one of them
+    past its budget stops the stack, any other is given up on (``given_up``).
     """
 
     def __init__(
@@ -58,9 +62,12 @@ class Supervisor:
         policy: RestartPolicy,
         say: Callable[[str], None],
         clock: Callable[[], float] = time.monotonic,
+        essential: Collection[str] | None = None,
     ) -> None:
         self.stack = stack
         self.restartable = set(restartable)
+        self.essential = self.restartable if essential is None else set(essential)
+        self.given_up: set[str] = set()
         self.policy = policy
         self.say = say
         self.clock = clock
@@ -70,17 +77,20 @@ class Supervisor:
     def tick(self) -> str | None:
         now = self.clock()
         for proc in self.stack.dead():
-            if proc.name in self._due:
+            if proc.name in self._due or proc.name in self.given_up:
                 continue
             code = proc.popen.returncode if proc.popen is not None else None
             if proc.name not in self.restartable:
                 return f"{proc.name} exited ({code}); it is not restarted, so the stack stops"
             recent = self.policy.recent(self.restarts.get(proc.name, []), now)
             if recent >= self.policy.budget:
-                return (
-                    f"{proc.name} exited ({code}) after {recent} restarts within "
-                    f"{self.policy.window_s:.0f} s; stopping"
-                )
+                why = (f"{proc.name} exited ({code}) after {recent} restarts within "
+                       f"{self.policy.window_s:.0f} s")  # fmt: skip
+                if proc.name in self.essential:
+                    return f"{why}; stopping"
+                self.given_up.add(proc.name)
+                self.say(f"{why}; giving up on it, the rest keep serving")
+                continue
             delay = self.policy.delay(recent)
             self._due[proc.name] = now + delay
             self.say(f"{proc.name} exited ({code}); restarting it in {delay:.1f} s")

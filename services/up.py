@@ -18,8 +18,10 @@ machine of two or more cores, its first core.
 
 While it runs, any process that dies (redis, the store's master, the scheduler, a worker,
 the gateway) is restarted with the same command line, so on the same port
-(``services.supervisor``: backoff, at most 5 restarts of one process a minute) and the rest
-keep serving (a restarted master is empty: the workers mount their segments again). Redis keeps
+(``services.supervisor``: backoff, at most 5 restarts of one process a minute; a worker past
+that is left down, the control plane past it stops the stack) and the rest keep serving (a
+restarted master is empty: the workers mount their segments again). Every process dies with
+``pdserve up`` itself, even under ``kill -9`` (``services.launcher``). Redis keeps
 an append-only file in ``<log dir>/redis``, so a restarted Redis has the request records; a
 restarted scheduler reloads the worker registry from Redis and workers it no longer knows
 register again (docs/operations.md). When it stops, KV segments of workers that could not
@@ -372,9 +374,16 @@ def smoke(base_url: str, question: str) -> str:
     return "".join(text)
 
 
+CONTROL_PLANE = ("redis", "scheduler", "gateway")
+
+
 def supervise(stack: Stack, say: Callable[[str], None]) -> Supervisor:
-    """The supervisor ``pdserve up`` runs: every process of the stack is restarted."""
-    return Supervisor(stack, [p.name for p in stack.procs], RestartPolicy(), say)
+    """The supervisor ``pdserve up`` runs: every process of the stack is restarted; one that
+    keeps dying is given up on, unless the stack cannot serve without it (the control
+    plane), which then stops."""
+    names = [p.name for p in stack.procs]
+    essential = [n for n in names if n in CONTROL_PLANE]
+    return Supervisor(stack, names, RestartPolicy(), say, essential=essential)
 
 
 def run_up(cfg: UpConfig) -> int:

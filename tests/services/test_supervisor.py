@@ -87,3 +87,31 @@ def test_a_process_that_is_not_restartable_stops_the_stack_with_the_reason(
         assert supervisor.tick() == "scheduler exited (3); it is not restarted, so the stack stops"
     finally:
         stack.stop(grace=2)
+
+
+def test_a_worker_past_its_budget_is_given_up_on_and_the_rest_keep_serving(
+    tmp_path: Path,
+) -> None:
+    stack = Stack(log_dir=tmp_path)
+    clock, said = _Clock(), []
+    policy = RestartPolicy(first_delay_s=0.0, max_delay_s=0.0, budget=1, window_s=60)
+    supervisor = Supervisor(stack, {"decode-0", "gateway"}, policy, said.append, clock,
+                            essential={"gateway"})  # fmt: skip
+    try:
+        worker = stack.start(Proc("decode-0", _DIES))
+        gateway = stack.start(Proc("gateway", _DIES))
+        stack.wait_ready(stack.procs, 30)
+        _exited(worker)
+        _exited(gateway)
+        assert supervisor.tick() is None  # both restart once
+        stack.wait_ready(stack.procs, 30)
+        _exited(worker)
+        _exited(gateway)
+        reason = supervisor.tick()
+        assert reason == "gateway exited (3) after 1 restarts within 60 s; stopping"
+        assert supervisor.given_up == {"decode-0"}
+        assert "decode-0 exited (3) after 1 restarts within 60 s; giving up on it" in said[-1]
+        assert supervisor.tick() is not None  # the gateway still stops it; decode-0 is left
+        assert supervisor.given_up == {"decode-0"}
+    finally:
+        stack.stop(grace=2)

@@ -4,6 +4,9 @@ congestion control handed to the workers as their own flags."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from services.common import settings
@@ -167,3 +170,64 @@ def test_mooncake_flows_from_pdserve_up_to_both_kinds_of_worker() -> None:
     assert prefill_flags(load_up_config([], {})) == []  # no engine where nothing uses it
     with pytest.raises(SystemExit):
         prefill_config(["--transports", "shm,rdma"], {})
+
+
+def _children(pid: int) -> set[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.add(int(entry))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead: it only waits to be reaped
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_kill_9_of_pdserve_up_leaves_no_process_of_its_stack(tmp_path) -> None:
+    """Every child asks for SIGKILL when pdserve up dies (PR_SET_PDEATHSIG): within seconds
+    none is left, and the ports it served are free for the next pdserve up."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from services.launcher import free_port
+
+    http = free_port()
+    argv = [sys.executable, "-m", "pdserve.cli", "up", "--colocated", "--http-port", str(http),
+            "--grpc-port", "0", "--log-dir", str(tmp_path), "--kv-cache-mib", "32"]  # fmt: skip
+    up = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        assert up.stderr is not None
+        for line in up.stderr:
+            if "pdserve is up" in line or time.monotonic() > deadline:
+                break
+        stack = _children(up.pid)
+        assert len(stack) >= 5, stack  # redis, the store's master, scheduler, worker, gateway
+        up.kill()
+        up.wait(5)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in stack) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in stack if _alive(p)]
+        with socket.socket() as s:  # the gateway's port is free again
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", http))
+    finally:
+        if up.poll() is None:
+            up.kill()
