@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -79,7 +80,9 @@ async def _load(
     timeout_s: float,
     min_blocks: int,
 ) -> tuple[int, tuple[int, ...]]:
-    """(blocks loaded and committed, blocks claimed: the caller frees them)."""
+    """(blocks loaded and committed, blocks claimed: the caller frees them). Whatever ends
+    it early (a failure, the deadline, a cancellation: the caller went away) frees the
+    blocks it claimed itself, once nothing writes them any more."""
     eng = aengine.engine
     ids = list(token_ids)
     deadline = time.monotonic() + timeout_s
@@ -91,20 +94,32 @@ async def _load(
     if present is None or present < min_blocks:
         return 0, ()
     wanted = wanted[:present]
+
+    def free_later(blocks: Future[tuple[int, ...]] | tuple[int, ...]) -> None:
+        if isinstance(blocks, tuple):
+            aengine.submit(lambda: eng.free_blocks(blocks))
+        elif not blocks.cancelled() and blocks.exception() is None:
+            free_later(blocks.result())
+
+    claiming: Future[tuple[int, ...]] = aengine.submit(lambda: eng.claim_blocks(len(wanted)))
     try:
-        claimed: tuple[int, ...] = await aengine.call(lambda: eng.claim_blocks(len(wanted)))
+        claimed = await asyncio.wrap_future(claiming)
     except ResourceExhaustedError:
         return 0, ()  # the pool is full now: computing will wait for blocks anyway
-    future = store.submit(store.load, eng.kv, wanted, claimed)
-    try:
-        loaded = await asyncio.wait_for(asyncio.wrap_future(future), deadline - time.monotonic())
     except BaseException:
-        # The loader may still be writing into the claimed blocks: free them only once it
-        # stopped, uncommitted (whatever it wrote is never read).
-        future.add_done_callback(lambda _: aengine.submit(lambda: eng.free_blocks(claimed)))
+        # Cancelled while the engine thread claims: free what it claimed, when it has.
+        claiming.add_done_callback(free_later)
         raise
-    if loaded:
-        await aengine.call(lambda: eng.commit_loaded(claimed[:loaded], wanted[:loaded]))
+    loading = store.submit(store.load, eng.kv, wanted, claimed)
+    try:
+        loaded = await asyncio.wait_for(asyncio.wrap_future(loading), deadline - time.monotonic())
+        if loaded:
+            await aengine.call(lambda: eng.commit_loaded(claimed[:loaded], wanted[:loaded]))
+    except BaseException:
+        # The loader may still be writing into the claimed blocks: free them once it
+        # stopped (committed or not, they are then only cache).
+        loading.add_done_callback(lambda _: free_later(claimed))
+        raise
     return loaded, claimed
 
 

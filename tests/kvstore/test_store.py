@@ -10,6 +10,7 @@ loads nothing and costs no more than the deadline.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
 
@@ -219,4 +220,97 @@ async def test_with_the_master_down_a_load_falls_back_and_after_its_restart_work
         async with loaded_prefix(aengine, reader, ids, timeout_s=10.0) as got:
             assert got.blocks == len(hashes)
     finally:
+        await aengine.stop()
+
+
+async def test_a_load_abandoned_midway_frees_its_blocks_once_the_loader_stops(
+    make_engine, default_tokenizer, stores
+) -> None:
+    """The caller goes away (a cancelled Prefill) while the loader thread writes into the
+    claimed blocks: they stay held until it stops, then every block is free again."""
+    writer, engine = make_engine(), make_engine()
+    store_w, store = stores(writer), stores(engine)
+    _export_to(writer, store_w)
+    ids = _prompt(default_tokenizer, "canals")
+    writer.generate([ids], GREEDY)
+    assert store_w.flush()
+    aengine = AsyncEngine(engine)
+    aengine.start()
+    total = engine.blocks.num_blocks
+
+    async def free() -> int:
+        return int(await aengine.call(lambda: engine.blocks.num_free_blocks))
+
+    async def use() -> None:
+        async with loaded_prefix(aengine, store, ids, timeout_s=30.0):
+            pass
+
+    try:
+        store._load_lock.acquire()  # the loader will wait here, its blocks claimed
+        task = asyncio.create_task(use())
+        deadline = time.monotonic() + 10
+        while await free() == total:
+            assert time.monotonic() < deadline, "no blocks were claimed"
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.2)
+        assert await free() < total  # the loader may still write them: still held
+        store._load_lock.release()
+        deadline = time.monotonic() + 10
+        while await free() != total:
+            assert time.monotonic() < deadline, "the claimed blocks were never freed"
+            await asyncio.sleep(0.05)
+    finally:
+        if store._load_lock.locked():
+            store._load_lock.release()
+        await aengine.stop()
+
+
+async def test_a_load_abandoned_before_its_blocks_are_committed_leaks_none(
+    make_engine, default_tokenizer, stores, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller goes away after the blocks were loaded, while their commit waits for the
+    engine thread (which then skips it): the claimed blocks are freed all the same."""
+    import threading
+
+    writer, engine = make_engine(), make_engine()
+    store_w, store = stores(writer), stores(engine)
+    _export_to(writer, store_w)
+    ids = _prompt(default_tokenizer, "harbours")
+    writer.generate([ids], GREEDY)
+    assert store_w.flush()
+    aengine = AsyncEngine(engine)
+    aengine.start()
+    total = engine.blocks.num_blocks
+    gate, found = threading.Event(), threading.Event()
+    load = store.load
+
+    def load_then_hold_the_engine(*args: object) -> int:
+        n = load(*args)  # type: ignore[arg-type]
+        aengine.submit(lambda: gate.wait(10))  # the commit queues behind this
+        found.set()
+        return n
+
+    monkeypatch.setattr(store, "load", load_then_hold_the_engine)
+
+    async def use() -> None:
+        async with loaded_prefix(aengine, store, ids, timeout_s=30.0):
+            pass
+
+    try:
+        task = asyncio.create_task(use())
+        assert await asyncio.to_thread(found.wait, 10)
+        await asyncio.sleep(0.2)  # the commit is queued now
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.set()  # the cancelled commit is skipped
+        deadline = time.monotonic() + 10
+        while await aengine.call(lambda: engine.blocks.num_free_blocks) != total:
+            assert time.monotonic() < deadline, "the blocks claimed for nobody leaked"
+            await asyncio.sleep(0.05)
+    finally:
+        gate.set()
         await aengine.stop()
