@@ -3,6 +3,8 @@ computed and times both ways; the table says which is faster."""
 
 from __future__ import annotations
 
+import pytest
+
 from bench.store_load import Row, main, render
 
 
@@ -11,6 +13,7 @@ def test_the_table_states_the_ratio() -> None:
     assert "| 1,024 | 64 | 12.5 | 2500.0 | 0.005 |" in text
 
 
+@pytest.mark.slow  # two engines of the real model: ~15 s; the figures are in docs/benchmarks.md
 def test_a_real_run_loads_and_computes(capsys) -> None:
     assert main(["--lengths", "32", "--repeats", "1"]) == 0
     out = capsys.readouterr().out

@@ -40,6 +40,7 @@ def _store(master: MooncakeMaster, ssd: Path) -> KVStore:
     return KVStore(MooncakeBackend(options), BlockFormat.for_pool(SPEC, "00000000000000aa"))
 
 
+@pytest.mark.slow  # ~20 s: it waits for Mooncake's offload to catch up
 def test_blocks_beyond_the_dram_pool_load_from_disk(ssd_master, tmp_path: Path) -> None:
     writer, reader = _store(ssd_master, tmp_path / "a"), _store(ssd_master, tmp_path / "b")
     try:
