@@ -223,19 +223,27 @@ async def test_with_the_master_down_a_load_falls_back_and_after_its_restart_work
         await aengine.stop()
 
 
+def _a_stored_prompt(make_engine, tokenizer, stores, topic: str):
+    """A prompt whose blocks one engine computed and stored; another engine, its store and
+    its (started) AsyncEngine to load them into."""
+    writer, engine = make_engine(), make_engine()
+    store_w, store = stores(writer), stores(engine)
+    _export_to(writer, store_w)
+    ids = _prompt(tokenizer, topic)
+    writer.generate([ids], GREEDY)
+    assert store_w.flush()
+    aengine = AsyncEngine(engine)
+    aengine.start()
+    return engine, store, ids, aengine
+
+
 async def test_a_load_abandoned_midway_frees_its_blocks_once_the_loader_stops(
     make_engine, default_tokenizer, stores
 ) -> None:
     """The caller goes away (a cancelled Prefill) while the loader thread writes into the
     claimed blocks: they stay held until it stops, then every block is free again."""
-    writer, engine = make_engine(), make_engine()
-    store_w, store = stores(writer), stores(engine)
-    _export_to(writer, store_w)
-    ids = _prompt(default_tokenizer, "canals")
-    writer.generate([ids], GREEDY)
-    assert store_w.flush()
-    aengine = AsyncEngine(engine)
-    aengine.start()
+    engine, store, ids, aengine = _a_stored_prompt(make_engine, default_tokenizer, stores,
+                                                   "canals")  # fmt: skip
     total = engine.blocks.num_blocks
 
     async def free() -> int:
@@ -275,14 +283,8 @@ async def test_a_load_abandoned_before_its_blocks_are_committed_leaks_none(
     engine thread (which then skips it): the claimed blocks are freed all the same."""
     import threading
 
-    writer, engine = make_engine(), make_engine()
-    store_w, store = stores(writer), stores(engine)
-    _export_to(writer, store_w)
-    ids = _prompt(default_tokenizer, "harbours")
-    writer.generate([ids], GREEDY)
-    assert store_w.flush()
-    aengine = AsyncEngine(engine)
-    aengine.start()
+    engine, store, ids, aengine = _a_stored_prompt(make_engine, default_tokenizer, stores,
+                                                   "harbours")  # fmt: skip
     total = engine.blocks.num_blocks
     gate, found = threading.Event(), threading.Event()
     load = store.load
