@@ -48,7 +48,7 @@ def _build_local(cfg: GatewayConfig) -> tuple[EngineBackend, ServedModel]:
     engine = LLMEngine(cfg.engine.engine_config(cfg.tuning.engine_cpus))
     name = cfg.served_model_name or _default_model_name(cfg.engine.model)
     aengine = AsyncEngine(engine, **cfg.tuning.engine_options())
-    backend = EngineBackend(aengine, max_active=cfg.max_concurrent_requests)
+    backend = EngineBackend(aengine)
     return backend, ServedModel.for_engine(name, engine)
 
 
@@ -91,6 +91,7 @@ async def _refresh_health(service: GatewayService, server: process.GrpcServer) -
 
 async def serve(cfg: GatewayConfig) -> None:
     """Run until SIGTERM/SIGINT, then drain."""
+    from services.gateway.admission import AdmissionLimits
     from services.gateway.cluster_backend import ClusterBackend
     from services.gateway.grpc_server import grpc_server
     from services.gateway.http_server import HttpServer, create_app
@@ -107,15 +108,27 @@ async def serve(cfg: GatewayConfig) -> None:
         metrics=GatewayMetrics(model.name, LatencySlo.from_ms(cfg.slo_ttft_ms, cfg.slo_itl_ms)),
         limits=Limits(cfg.default_max_tokens, cfg.default_chat_max_tokens),
         api_keys=cfg.api_keys,
+        admission=AdmissionLimits(
+            max_concurrent=cfg.concurrency,
+            max_queued=cfg.queue_size,
+            queue_timeout_s=cfg.queue_timeout_s,
+            rate_per_key=cfg.rate_limit_rps,
+            burst=cfg.rate_limit_burst,
+        ),
     )
     if isinstance(backend, ClusterBackend):
         backend.on_migration = service.metrics.count_migration
-    app = create_app(service, max_body_bytes=cfg.max_body_bytes)
-    http = HttpServer(app, cfg.host, cfg.http_port, cfg.drain_timeout_s)
+    app = create_app(
+        service, max_body_bytes=cfg.max_body_bytes, write_timeout_s=cfg.write_timeout_s
+    )
+    http = HttpServer(
+        app, cfg.host, cfg.http_port, cfg.drain_timeout_s, max_connections=cfg.max_connections
+    )
     server = grpc_server(service, cfg.host, cfg.grpc_port, max_message_bytes=cfg.max_body_bytes)
     await http.start()
     log.info("gateway_started", model=model.name, max_model_len=model.max_model_len,
-             http_port=http.port, grpc_port=server.port)  # fmt: skip
+             http_port=http.port, grpc_port=server.port, max_concurrent=cfg.concurrency,
+             max_queued=cfg.queue_size)  # fmt: skip
 
     async def drain() -> None:
         service.start_draining()  # new generations: 503 / UNAVAILABLE

@@ -44,8 +44,40 @@ class GatewayConfig:
         1024,
         "max_tokens cap when a chat request omits it (the rest of the context, at most this)",
     )
-    max_concurrent_requests: int = setting(
-        256, "requests in flight before new ones get 429 / RESOURCE_EXHAUSTED"
+    max_concurrent_requests: int | None = setting(
+        None,
+        "generations at once, in every backend (tokenizing or streaming); more wait in the "
+        "queue (default: --max-num-seqs, the running batch of one decode worker; with several "
+        "decode workers, give their sum)",
+        metavar="N",
+    )
+    max_queued_requests: int | None = setting(
+        None,
+        "requests that may wait for a slot (first come, first served); one more gets 429 "
+        "with Retry-After / RESOURCE_EXHAUSTED at once (default: as many as "
+        "--max-concurrent-requests; 0: no queue)",
+        metavar="N",
+    )
+    queue_timeout_s: float = setting(
+        10.0, "longest wait in the queue; then 429 / RESOURCE_EXHAUSTED", metavar="SECONDS"
+    )
+    rate_limit_rps: float = setting(
+        0.0,
+        "requests a second each API key may start (each client address without --api-keys); "
+        "more get 429 with Retry-After (0: no limit)",
+        metavar="RATE",
+    )
+    rate_limit_burst: int = setting(
+        10, "requests a key may start at once after being idle (with --rate-limit-rps)"
+    )
+    write_timeout_s: float = setting(
+        30.0,
+        "a streaming client must take each write within this, or its stream is cut and its "
+        "request cancelled (a client that stops reading frees its slot)",
+        metavar="SECONDS",
+    )
+    max_connections: int = setting(
+        512, "open HTTP connections; one more is answered 503 and closed"
     )
     drain_timeout_s: float = setting(30.0, "on SIGTERM, how long in-flight streams may finish")
     max_migrations: int = setting(
@@ -87,10 +119,20 @@ class GatewayConfig:
             "default_max_tokens",
             "default_chat_max_tokens",
             "max_concurrent_requests",
+            "rate_limit_burst",
+            "max_connections",
         )
         for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be >= 1")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests={self.max_queued_requests} must be >= 0")
+        for name in ("queue_timeout_s", "write_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        if not self.rate_limit_rps >= 0:
+            raise ValueError(f"rate_limit_rps={self.rate_limit_rps} must be >= 0")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations={self.max_migrations} must be >= 0")
         if not self.worker_keepalive_s > 0:
@@ -105,6 +147,17 @@ class GatewayConfig:
             raise ValueError("served_model_name must not be blank")
         if any(not k for k in self.api_keys):
             raise ValueError("api_keys must not contain an empty key")
+
+    @property
+    def concurrency(self) -> int:
+        """``max_concurrent_requests``, its default resolved."""
+        return self.max_concurrent_requests or self.engine.max_num_seqs
+
+    @property
+    def queue_size(self) -> int:
+        """``max_queued_requests``, its default resolved."""
+        queued = self.max_queued_requests
+        return self.concurrency if queued is None else queued
 
 
 load_config = settings.loader(GatewayConfig, "gateway", "python -m services.gateway", ABOUT)

@@ -2,7 +2,8 @@
 
 Used by the single-process gateway (``--backend local``) and by the gateway's tests. The
 engine runs on its own thread (``AsyncEngine``); this class only adapts its events to
-``GenerateChunk`` and bounds how many requests may be in flight at once.
+``GenerateChunk``. How many requests run at once is the gateway's admission's business
+(``admission``), the same for every backend.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from contextlib import aclosing
 import structlog
 
 from engine.async_engine import AsyncEngine
-from engine.errors import ResourceExhaustedError
 from services.gateway.backend import BackendUnavailableError, GenerateChunk, GenerateInput
 
 log = structlog.get_logger(__name__)
@@ -26,14 +26,12 @@ _READY_TIMEOUT_S = 2.0
 class EngineBackend:
     """Serve requests with an ``AsyncEngine`` (colocated prefill and decode).
 
-    ``max_active`` bounds the requests in flight through this backend; one more raises
-    ``ResourceExhaustedError`` before anything is queued (None: unbounded). Call ``start``
-    from the event loop before use and ``stop`` when done; ``stop`` stops the engine.
+    Call ``start`` from the event loop before use and ``stop`` when done; ``stop`` stops
+    the engine.
     """
 
-    def __init__(self, engine: AsyncEngine, *, max_active: int | None = None) -> None:
+    def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
-        self.max_active = max_active
         self._active = 0
         self._started = False
         self._stopping = False
@@ -64,10 +62,6 @@ class EngineBackend:
     async def generate(self, req: GenerateInput) -> AsyncIterator[GenerateChunk]:
         if not self._started or self._stopping:
             raise BackendUnavailableError("the engine is not running")
-        if self.max_active is not None and self._active >= self.max_active:
-            raise ResourceExhaustedError(
-                f"the server is at its limit of {self.max_active} concurrent requests"
-            )
         self._active += 1
         stream = self.engine.generate(req.request_id, list(req.prompt_token_ids), req.params)
         try:

@@ -51,6 +51,21 @@ def sampling_from_proto(sp: common_pb2.SamplingParams) -> SamplingParams:
     )
 
 
+def check_prompt_size(
+    req: gateway_pb2.GenerateRequest, model: ServedModel, params: SamplingParams
+) -> None:
+    """Refuse by its size alone an input that cannot fit the context (``ContextLengthError``),
+    before it is templated or tokenized."""
+    kind = req.WhichOneof("input")
+    if kind == "prompt":
+        model.check_prompt_chars(len(req.prompt))
+    elif kind == "chat":
+        chars = sum(len(m.content) for m in req.chat.messages)
+        model.check_prompt_chars(chars, "chat.messages")
+    elif kind == "prompt_token_ids" and len(req.prompt_token_ids.ids) >= model.max_model_len:
+        model.check_request(params, len(req.prompt_token_ids.ids))
+
+
 def prompt_ids(req: gateway_pb2.GenerateRequest, model: ServedModel) -> tuple[int, ...]:
     """Template and tokenize whichever input the request carries."""
     kind = req.WhichOneof("input")

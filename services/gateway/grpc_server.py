@@ -1,8 +1,10 @@
 """The gRPC edge: ``pdserve.v1.Gateway`` (Generate, ListModels), on the shell's server
 (with ``grpc.health.v1`` and reflection).
 
-Generate: authenticate -> resolve model -> template/tokenize/check (``grpc_convert``) ->
-backend stream -> events. Errors before the first event end the call with a status
+Generate: authenticate -> resolve model -> size check -> admission (the service's, as for
+HTTP: RESOURCE_EXHAUSTED with ``retry-after-ms``, UNAVAILABLE while draining) ->
+template/tokenize off the event loop and check (``grpc_convert``) -> backend stream ->
+events. Errors before the first event end the call with a status
 (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE, UNAUTHENTICATED); a failure
 after it ends the stream with a FINISH_REASON_ERROR event. A client cancel or deadline
 cancels the servicer task, which closes the backend stream and aborts the request.
@@ -14,6 +16,7 @@ with a deserializer that hands the decode error to the servicer.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -30,17 +33,18 @@ from engine.errors import (
     InvalidRequestError,
     ResourceExhaustedError,
 )
+from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.common import process
 from services.gateway import grpc_convert as conv
+from services.gateway.admission import retry_after_s
 from services.gateway.backend import BackendUnavailableError, GenerateChunk, GenerateInput
-from services.gateway.served_model import ServedModel
+from services.gateway.served_model import ContextLengthError, ServedModel
 from services.gateway.service import GatewayService, new_request_id
 
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = "pdserve.v1.Gateway"
-RETRY_AFTER_MS = 1000  # suggested back-off on RESOURCE_EXHAUSTED
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,7 @@ def _status_for(exc: EngineError) -> _Status:
     if isinstance(exc, InvalidRequestError | CapacityError):
         return _Status(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     if isinstance(exc, ResourceExhaustedError):
-        trailing = (("retry-after-ms", str(RETRY_AFTER_MS)),)
+        trailing = (("retry-after-ms", str(math.ceil(retry_after_s(exc) * 1000))),)
         return _Status(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), trailing)
     if isinstance(exc, BackendUnavailableError):
         return _Status(grpc.StatusCode.UNAVAILABLE, str(exc))
@@ -121,7 +125,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             async for ev in self._generate(request, context, received_at):
                 yield ev
-        except _Status as st:
+        except (_Status, ResourceExhaustedError, BackendUnavailableError) as exc:
+            # admission's refusals come as the backends' errors do
+            st = exc if isinstance(exc, _Status) else _status_for(exc)
             outcome = st.code
             if st.trailing:
                 context.set_trailing_metadata(st.trailing)
@@ -150,29 +156,52 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             rid = conv.check_request_id(request.request_id) or new_request_id("gen")
             params = conv.sampling_from_proto(request.sampling)
-            ids = conv.prompt_ids(request, model)
+            conv.check_prompt_size(request, model, params)
+        except InvalidRequestError as exc:
+            if isinstance(exc, ContextLengthError):
+                self.service.metrics.count_refusal("too_long")
+            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        md = dict(context.invocation_metadata() or ())
+        key = self.service.rate_key(md.get("authorization"), _peer_host(context.peer()))
+        with structlog.contextvars.bound_contextvars(request_id=rid):
+            async with (
+                self.service.admitted(key),
+                aclosing(self._run(request, model, rid, params, received_at)) as events,
+            ):
+                async for ev in events:
+                    yield ev
+
+    async def _run(
+        self,
+        request: gateway_pb2.GenerateRequest,
+        model: ServedModel,
+        rid: str,
+        params: SamplingParams,
+        received_at: float,
+    ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
+        try:
+            ids = await self.service.prepare(conv.prompt_ids, request, model)
             model.check_request(params, len(ids))
         except InvalidRequestError as exc:
             raise _Status(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         inp = GenerateInput(rid, ids, params, model.name)
         with_ids = request.return_token_ids or params.logprobs
-        with structlog.contextvars.bound_contextvars(request_id=rid):
-            stream = self.service.generate(inp, received_at)
-            async with aclosing(stream):  # type: ignore[type-var]
-                try:
-                    chunk = await anext(stream)
-                except EngineError as exc:
-                    raise _status_for(exc) from None
-                except StopAsyncIteration:
-                    raise _Status(grpc.StatusCode.INTERNAL, "the backend sent nothing") from None
-                first_at = time.monotonic()
-                logged = False
-                async for ev in self._relay(rid, chunk, stream, with_ids, received_at, first_at):
-                    yield ev
-                    if not logged:  # after the first event went out: a log write is no
-                        # business of the first token's delivery (it may wait for the GIL)
-                        log.info("grpc_generate_started", prompt_tokens=len(ids))
-                        logged = True
+        stream = self.service.generate(inp, received_at)
+        async with aclosing(stream):  # type: ignore[type-var]
+            try:
+                chunk = await anext(stream)
+            except EngineError as exc:
+                raise _status_for(exc) from None
+            except StopAsyncIteration:
+                raise _Status(grpc.StatusCode.INTERNAL, "the backend sent nothing") from None
+            first_at = time.monotonic()
+            logged = False
+            async for ev in self._relay(rid, chunk, stream, with_ids, received_at, first_at):
+                yield ev
+                if not logged:  # after the first event went out: a log write is no
+                    # business of the first token's delivery (it may wait for the GIL)
+                    log.info("grpc_generate_started", prompt_tokens=len(ids))
+                    logged = True
 
     async def _relay(
         self,
@@ -254,3 +283,9 @@ def grpc_server(
     server = process.GrpcServer([SERVICE_NAME], host, port, max_message_bytes=max_message_bytes)
     _register(server.server, GatewayServicer(service))
     return server
+
+
+def _peer_host(peer: str) -> str:
+    """``ipv4:127.0.0.1:5000`` -> ``ipv4:127.0.0.1``: a client's address, whatever its port."""
+    host, _, port = peer.rpartition(":")
+    return host if host and port.isdigit() else peer

@@ -8,7 +8,10 @@ itself, is OpenAI's JSON error object with a 4xx/5xx status.
 A request's errors surface before any byte of the response: the handler waits for the
 backend's first chunk before it sends the 200 and the SSE headers. A client that
 disconnects cancels its handler (``handler_cancellation``), which closes the backend
-stream and so aborts the request.
+stream and so aborts the request; so does one that stops reading: a stream write that waits
+longer than the write timeout cuts the connection. Generations go through the service's
+admission (429 with ``Retry-After`` / 503), and past ``max_connections`` open connections a
+new one is answered 503 and closed (``_CappedSite``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,13 +27,15 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from engine.errors import EngineError
+from engine.errors import EngineError, ResourceExhaustedError
 from services.gateway import openai_responses as out
-from services.gateway.backend import GenerateChunk, GenerateInput, ServedBy
+from services.gateway.admission import retry_after_header
+from services.gateway.backend import BackendUnavailableError, GenerateChunk, GenerateInput, ServedBy
 from services.gateway.openai_api import (
     ApiError,
     ChatRequest,
     CompletionRequest,
+    check_prompt_size,
     decode_json_body,
     from_engine_error,
     lookup,
@@ -39,12 +44,14 @@ from services.gateway.openai_api import (
     prepare_chat,
     prepare_completion,
 )
+from services.gateway.served_model import ServedModel
 from services.gateway.service import GatewayService, new_request_id
 
 log = structlog.get_logger(__name__)
 
 SERVICE_KEY: web.AppKey[GatewayService] = web.AppKey("service", GatewayService)
 MAX_BODY_KEY: web.AppKey[int] = web.AppKey("max_body_bytes", int)
+WRITE_TIMEOUT_KEY: web.AppKey[float] = web.AppKey("write_timeout_s", float)
 _CLIENT_CLOSED = 499  # nginx's code for "client closed request", for metrics only
 
 
@@ -52,12 +59,19 @@ class _StreamFailed(Exception):
     """The backend failed after the response started; the stream reports it in-band."""
 
 
+class _SlowReader(Exception):
+    """A stream write waited past the write timeout: the client stopped reading."""
+
+
 def _json(obj: dict[str, Any], status: int = 200) -> web.Response:
     return web.Response(body=out.dumps(obj), status=status, content_type="application/json")
 
 
 def error_response(err: ApiError) -> web.Response:
-    return _json(err.to_dict(), err.status)
+    resp = _json(err.to_dict(), err.status)
+    if err.retry_after_s is not None:
+        resp.headers["Retry-After"] = retry_after_header(err.retry_after_s)
+    return resp
 
 
 _AIOHTTP_ERRORS = {
@@ -103,6 +117,8 @@ async def _edge(
         resp = await handler(request)
     except ApiError as err:
         resp = error_response(err)
+    except (ResourceExhaustedError, BackendUnavailableError) as exc:  # refused by admission
+        resp = error_response(from_engine_error(exc))
     except web.HTTPException as exc:
         if exc.status < 400:
             service.metrics.count_request(endpoint, exc.status)
@@ -127,6 +143,26 @@ async def _read_json(request: web.Request) -> object:
     except web.HTTPRequestEntityTooLarge as exc:
         raise _from_http_exception(exc, request) from None
     return decode_json_body(data)
+
+
+def _check_size(
+    service: GatewayService, req: CompletionRequest | ChatRequest, model: ServedModel
+) -> None:
+    try:
+        check_prompt_size(req, model)
+    except ApiError:
+        service.metrics.count_refusal("too_long")
+        raise
+
+
+@asynccontextmanager
+async def _admitted(request: web.Request, rid: str) -> AsyncIterator[GatewayService]:
+    """The request's log context and admission slot, held while the body runs."""
+    service = request.app[SERVICE_KEY]
+    key = service.rate_key(request.headers.get("Authorization"), request.remote or "")
+    with structlog.contextvars.bound_contextvars(request_id=rid):
+        async with service.admitted(key):
+            yield service
 
 
 def _check_serving(service: GatewayService) -> None:
@@ -212,6 +248,7 @@ class _Relay:
         prompt_param: str,
     ) -> None:
         self.request = request
+        self.write_timeout_s = request.app[WRITE_TIMEOUT_KEY]
         self.chunks = aiter(_chunks(stream, prompt_param))
         self.first: GenerateChunk | None = None
         self.resp: web.StreamResponse | None = None
@@ -230,11 +267,26 @@ class _Relay:
 
     async def send(self, obj: dict[str, Any] | bytes) -> None:
         assert self.resp is not None
-        await self.resp.write(obj if isinstance(obj, bytes) else out.sse(obj))
+        await self._timed(self.resp.write(obj if isinstance(obj, bytes) else out.sse(obj)))
 
     async def finish(self) -> web.StreamResponse:
         assert self.resp is not None
-        await self.resp.write_eof()
+        await self._timed(self.resp.write_eof())
+        return self.resp
+
+    async def _timed(self, write: Awaitable[None]) -> None:
+        # A write waits only when the socket's buffers are full: the client is not reading.
+        try:
+            async with asyncio.timeout(self.write_timeout_s):
+                await write
+        except TimeoutError:
+            raise _SlowReader from None
+
+    def cut(self) -> web.StreamResponse:
+        """Drop the connection of a client that stopped reading (its unsent bytes too)."""
+        assert self.resp is not None
+        if self.request.transport is not None:
+            self.request.transport.abort()
         return self.resp
 
 
@@ -272,6 +324,10 @@ async def _run_stream(
         log.info("client_disconnected")
         assert relay.resp is not None
         return relay.resp
+    except _SlowReader:
+        log.warning("slow_reader_cut", write_timeout_s=relay.write_timeout_s)
+        relay.request.app[SERVICE_KEY].metrics.count_refusal("slow_reader")
+        return relay.cut()
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -280,9 +336,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = parse_completion(await _read_json(request), service.models)
     _check_serving(service)
     model = lookup(service.models, req.model)
+    _check_size(service, req, model)
     rid = new_request_id("cmpl")
-    with structlog.contextvars.bound_contextvars(request_id=rid):
-        inp = prepare_completion(req, model, rid, service.limits)
+    async with _admitted(request, rid):
+        inp = await service.prepare(prepare_completion, req, model, rid, service.limits)
         created = int(time.time())
         tok = model.tokenizer
         stream = service.generate(inp, received_at)
@@ -330,9 +387,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_chat(await _read_json(request), service.models)
     _check_serving(service)
     model = lookup(service.models, req.model)
+    _check_size(service, req, model)
     rid = new_request_id("chatcmpl")
-    with structlog.contextvars.bound_contextvars(request_id=rid):
-        inp = prepare_chat(req, model, rid, service.limits)
+    async with _admitted(request, rid):
+        inp = await service.prepare(prepare_chat, req, model, rid, service.limits)
         created = int(time.time())
         tok = model.tokenizer
         stream = service.generate(inp, received_at)
@@ -430,11 +488,15 @@ async def metrics(request: web.Request) -> web.Response:
 # -- the app and its server ------------------------------------------------------------------
 
 
-def create_app(service: GatewayService, *, max_body_bytes: int = 4 << 20) -> web.Application:
-    """The aiohttp application; bodies over ``max_body_bytes`` get 413."""
+def create_app(
+    service: GatewayService, *, max_body_bytes: int = 4 << 20, write_timeout_s: float = 30.0
+) -> web.Application:
+    """The aiohttp application; bodies over ``max_body_bytes`` get 413, and a stream whose
+    client takes no write for ``write_timeout_s`` is cut."""
     app = web.Application(middlewares=[_edge], client_max_size=max_body_bytes)
     app[SERVICE_KEY] = service
     app[MAX_BODY_KEY] = max_body_bytes
+    app[WRITE_TIMEOUT_KEY] = write_timeout_s
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -443,30 +505,133 @@ def create_app(service: GatewayService, *, max_body_bytes: int = 4 << 20) -> web
     return app
 
 
+_REFUSER_LINGER_S = 2.0
+
+
+class _Refuser(asyncio.Protocol):
+    """A connection past the cap: answered 503 at once, then closed once the client has
+    finished sending (or after a moment), so closing does not reset the answer away."""
+
+    def __init__(self, max_connections: int) -> None:
+        self.max_connections = max_connections
+        self.transport: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        err = ApiError(
+            503,
+            f"The server has its limit of {self.max_connections} open connections; retry later.",
+            "server_error",
+            None,
+            "service_unavailable",
+        )
+        body = out.dumps(err.to_dict())
+        head = (
+            "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
+        )
+        transport.write(head.encode() + body)
+        transport.write_eof()
+        loop = asyncio.get_running_loop()
+        self.timer = loop.call_later(_REFUSER_LINGER_S, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass  # the request is not read: it was answered already
+
+    def eof_received(self) -> bool:
+        return False  # close now
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+
+
+class _CappedSite(web.BaseSite):
+    """A TCP site that hands connections past ``max_connections`` to ``_Refuser``."""
+
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        host: str,
+        port: int,
+        max_connections: int,
+        on_refused: Callable[[], None],
+    ) -> None:
+        super().__init__(runner)
+        self._host = host
+        self._port = port
+        self._max_connections = max_connections
+        self._on_refused = on_refused
+        self.port = port
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self.port}"
+
+    def _protocol(self) -> asyncio.BaseProtocol:
+        server = self._runner.server
+        assert server is not None
+        if len(server.connections) >= self._max_connections:
+            self._on_refused()
+            return _Refuser(self._max_connections)
+        return server()
+
+    async def start(self) -> None:
+        await super().start()
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._protocol, self._host, self._port)
+        self.port = self._server.sockets[0].getsockname()[1]  # what port 0 became
+
+
 class HttpServer:
     """Runs an app on ``host:port`` (0: a free port, see ``port``).
 
-    ``stop`` stops listening, lets running handlers finish for up to ``drain_timeout_s``,
-    then cancels them (which aborts their generations).
+    At most ``max_connections`` connections are served at once; one more is answered 503
+    and closed. ``stop`` stops listening, lets running handlers finish for up to
+    ``drain_timeout_s``, then cancels them (which aborts their generations).
     """
 
-    def __init__(self, app: web.Application, host: str, port: int, drain_timeout_s: float):
+    def __init__(
+        self,
+        app: web.Application,
+        host: str,
+        port: int,
+        drain_timeout_s: float,
+        *,
+        max_connections: int = 512,
+    ):
         self._runner = web.AppRunner(
             app,
             handler_cancellation=True,
             shutdown_timeout=drain_timeout_s,
             access_log=None,
         )
+        self._metrics = app[SERVICE_KEY].metrics
         self._host = host
         self._port = port
+        self._max_connections = max_connections
         self.port = port
 
     async def start(self) -> int:
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self._host, self._port)
+        site = _CappedSite(
+            self._runner,
+            self._host,
+            self._port,
+            self._max_connections,
+            lambda: self._metrics.count_refusal("connections"),
+        )
         await site.start()
-        self.port = self._runner.addresses[0][1]  # what port 0 became
+        self.port = site.port
         return self.port
+
+    @property
+    def connections(self) -> int:
+        """HTTP connections open now (those refused past the cap not counted)."""
+        server = self._runner.server
+        return 0 if server is None else len(server.connections)
 
     async def stop(self) -> None:
         await self._runner.cleanup()

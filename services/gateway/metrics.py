@@ -13,6 +13,10 @@ registry so several gateways (tests) can live in one interpreter.
 - ``pdserve:num_requests_running``: generations streaming now.
 - ``pdserve:migrations_total{cause}``: requests placed again after a broken stream (cluster).
 - ``pdserve:request_goodput_total``: requests that met the latency SLO (``LatencySlo``).
+- ``pdserve:num_requests_waiting``: requests in the admission queue (``admission``).
+- ``pdserve:requests_refused_total{reason}``: requests turned away at the edge: overloaded,
+  rate_limited, draining, too_long (refused before tokenizing), slow_reader (stream cut
+  after the write timeout), connections (over the connection cap).
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from services.gateway.backend import GenerateChunk
 
+REFUSAL_REASONS = (
+    "overloaded", "rate_limited", "draining", "too_long", "slow_reader", "connections",
+)  # fmt: skip
 # vLLM's buckets: sub-10 ms to minutes for first tokens, 10 ms steps near typical ITL.
 _TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -137,6 +144,21 @@ class GatewayMetrics:
         )
         for cause in ("decode_lost", "prefill_failed"):  # exported at 0 from the start
             self.migrations.labels(cause)
+
+        self.waiting = Gauge(
+            "pdserve:num_requests_waiting", "Requests waiting for an admission slot.", registry=r
+        )
+        self.refused = Counter(
+            "pdserve:requests_refused",
+            "Requests turned away at the edge, by reason (see the gateway's docs).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in REFUSAL_REASONS:  # exported at 0 from the start
+            self.refused.labels(reason)
+
+    def count_refusal(self, reason: str) -> None:
+        self.refused.labels(reason).inc()
 
     def count_migration(self, cause: str) -> None:
         self.migrations.labels(cause).inc()

@@ -32,6 +32,7 @@ from typing import Any
 
 from engine.errors import CapacityError, InvalidRequestError, ResourceExhaustedError
 from engine.sampling_params import SamplingParams
+from services.gateway.admission import retry_after_s
 from services.gateway.backend import BackendUnavailableError, GenerateInput
 from services.gateway.served_model import ContextLengthError, ServedModel
 
@@ -44,7 +45,8 @@ class ApiError(Exception):
     """A request that cannot be served, as OpenAI reports it.
 
     ``status`` is the HTTP status; ``type``/``param``/``code`` are OpenAI's error fields
-    (``param`` names the offending request field, or None).
+    (``param`` names the offending request field, or None). ``retry_after_s``: the back-off
+    to suggest (the ``Retry-After`` header), or None.
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class ApiError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after_s: float | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -61,6 +64,7 @@ class ApiError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -109,7 +113,9 @@ def from_engine_error(exc: Exception, prompt_param: str = "prompt") -> ApiError:
     if isinstance(exc, CapacityError):
         return bad_request(str(exc), None, "context_length_exceeded")
     if isinstance(exc, ResourceExhaustedError):
-        return ApiError(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded")
+        return ApiError(
+            429, str(exc), "rate_limit_error", None, "rate_limit_exceeded", retry_after_s(exc)
+        )
     if isinstance(exc, BackendUnavailableError):
         return ApiError(503, str(exc), "server_error", None, "service_unavailable")
     raise exc
@@ -543,6 +549,22 @@ def parse_chat(body: object, models: Collection[str]) -> ChatRequest:
 
 
 # -- preparing -------------------------------------------------------------------------------
+
+
+def check_prompt_size(req: CompletionRequest | ChatRequest, model: ServedModel) -> None:
+    """Refuse (400, ``context_length_exceeded``) a prompt that cannot fit ``model``'s context
+    by its size alone: cheap, so it runs before admission, templating and tokenizing."""
+    try:
+        if isinstance(req, ChatRequest):
+            chars = sum(len(m.content) for m in req.messages)
+            model.check_prompt_chars(chars, "messages")
+        elif isinstance(req.prompt, str):
+            model.check_prompt_chars(len(req.prompt))
+        elif len(req.prompt) >= model.max_model_len:
+            model.check_request(req.params, len(req.prompt))
+    except InvalidRequestError as exc:
+        param = "messages" if isinstance(req, ChatRequest) else "prompt"
+        raise from_engine_error(exc, param) from None
 
 
 def _finish(

@@ -45,6 +45,30 @@ class ServedModel:
     vocab_size: int
     created: int = field(default_factory=lambda: int(time.time()))
     owned_by: str = "pdserve"
+    # Every token stands for at most this many bytes, so a text longer than
+    # max_model_len * this cannot fit, whatever it says: refused without tokenizing it.
+    longest_token_bytes: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        tok = self.tokenizer
+        longest = max(len(tok.token_bytes(i)) for i in range(tok.vocab_size))
+        object.__setattr__(self, "longest_token_bytes", longest)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The longest prompt text (characters, after templating) that could still fit."""
+        return self.max_model_len * self.longest_token_bytes
+
+    def check_prompt_chars(self, chars: int, what: str = "prompt") -> None:
+        """Refuse, before any templating or tokenizing, text of ``chars`` characters that
+        cannot fit the context (a character is at least one byte of some token)."""
+        if chars > self.max_prompt_chars:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens, and no "
+                f"token is longer than {self.longest_token_bytes} bytes, so a {what} of "
+                f"{chars} characters cannot fit (at most {self.max_prompt_chars}). Please "
+                f"reduce the length of the {what}."
+            )
 
     @classmethod
     def for_engine(cls, name: str, engine: LLMEngine) -> ServedModel:

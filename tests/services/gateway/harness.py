@@ -11,6 +11,7 @@ from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from services.common.process import GrpcServer
+from services.gateway.admission import AdmissionLimits
 from services.gateway.engine_backend import EngineBackend
 from services.gateway.grpc_server import grpc_server as gateway_grpc_server
 from services.gateway.http_server import HttpServer, create_app
@@ -47,10 +48,15 @@ class Gateway:
     async def wait_blocks_free(self, timeout: float = 1.0) -> bool:
         deadline = asyncio.get_running_loop().time() + timeout
         while asyncio.get_running_loop().time() < deadline:
-            if self.all_blocks_free() and self.backend.num_active == 0:
+            if self.idle():
                 return True
             await asyncio.sleep(0.01)
-        return self.all_blocks_free() and self.backend.num_active == 0
+        return self.idle()
+
+    def idle(self) -> bool:
+        """No KV block held, nothing running in the backend, no admission slot taken."""
+        busy = self.backend.num_active or self.service.admission.in_flight
+        return self.all_blocks_free() and not busy
 
     async def reference(self, ids: list[int], params: SamplingParams) -> tuple[list[int], str]:
         """The engine's own output for these prompt ids (through the same engine thread)."""
@@ -68,9 +74,11 @@ async def running_gateway(
 ) -> AsyncIterator[Gateway]:
     # No prefix caching: each request computes its own prompt, so outputs compare exactly.
     engine = make_engine(max_model_len=MAX_MODEL_LEN, num_kv_blocks=64, enable_prefix_caching=False)
-    backend = EngineBackend(AsyncEngine(engine), max_active=16)
+    backend = EngineBackend(AsyncEngine(engine))
     backend.start()
-    service = GatewayService(backend, [ServedModel.for_engine(MODEL, engine)])
+    service = GatewayService(
+        backend, [ServedModel.for_engine(MODEL, engine)], admission=AdmissionLimits(16, 16)
+    )
     http_server = grpc_server = None
     try:
         if http:
