@@ -380,7 +380,9 @@ class Tokenizer:
         their ids; ``add_special_tokens`` adds the checkpoint's bos/eos as configured."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"text to encode must be a string, got {type(text).__name__}")
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the GIL while it works (encode holds it throughout), so a
+        # long text tokenized on a thread does not stall the caller's event loop.
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text for ``ids``; invalid UTF-8 (e.g. a truncated character) becomes U+FFFD.
