@@ -20,6 +20,12 @@ prompt, nothing else). Reported besides latency: prompt tokens cached vs compute
 usage.prompt_tokens_details.cached_tokens), KV bytes moved per request and the same per
 worker (pdserve's "pdserve" response object; docs/api.md).
 
+Overload (``overload``): --streams clients in a closed loop while quiet, then the same plus
+--flood more, --stalled clients that never read and --huge prompts of --huge-mib MiB, then
+once more; prints a PASS/FAIL verdict: nothing hangs, the excess is refused (429/503) within
+a second, the huge prompts get a 4xx within a second, the admitted streams' ITL P99 stays
+within 3x the quiet P50, and the server serves normally afterwards (``bench.serve.overload``).
+
 Goodput: a request is good when it succeeded, its TTFT <= --slo-ttft-ms and every one of its
 inter-token gaps <= --slo-itl-ms (an SLO not given is not checked). Failed requests are never
 good; goodput is good requests per second of the run.
@@ -41,7 +47,7 @@ if TYPE_CHECKING:
     from bench.serve.workload import RequestSpec
 
 SESSION_WORKLOADS = ("multi-turn", "shared-prefix", "long-document")
-WORKLOADS = ("fixed", "dist", "interference", *SESSION_WORKLOADS)
+WORKLOADS = ("fixed", "dist", "interference", *SESSION_WORKLOADS, "overload")
 ARRIVALS = ("poisson", "rate", "concurrency")
 
 
@@ -168,6 +174,16 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="interference: this many long prompts (default: until the streams finish)",
     )
+
+    v = p.add_argument_group("overload (--streams clients; --prompt-tokens, --output-tokens)")
+    v.add_argument("--flood", type=int, default=48, help="more clients (default: %(default)s)")
+    v.add_argument(
+        "--stalled", type=int, default=8, help="clients that never read (default: %(default)s)"
+    )
+    v.add_argument("--huge", type=int, default=3, help="huge prompts (default: %(default)s)")
+    v.add_argument("--huge-mib", type=float, default=3.0, help="their size (default: 3 MiB)")
+    v.add_argument("--quiet-s", type=float, default=20.0, help="quiet phase (default: 20 s)")
+    v.add_argument("--overload-s", type=float, default=30.0, help="overload phase (default: 30 s)")
 
     c = p.add_argument_group("conversations (multi-turn, shared-prefix; --output-tokens each)")
     c.add_argument("--sessions", type=int, default=8, help="multi-turn (default: %(default)s)")
@@ -397,6 +413,8 @@ def run_bench(args: argparse.Namespace) -> int:
     from bench.serve.runner import run_benchmark
     from bench.serve.session_runner import run_sessions
 
+    if args.workload == "overload":
+        return _run_overload(args)
     slo = None
     if args.slo_ttft_ms is not None or args.slo_itl_ms is not None:
         slo = Slo(ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms)
@@ -483,6 +501,44 @@ def run_bench(args: argparse.Namespace) -> int:
         plot_cdfs({args.label: result}, args.plot_dir / "latency_cdf.png")
         print(f"wrote plots to {args.plot_dir}")
     return 0 if any(r.ok for r in result.records) else 1
+
+
+def _run_overload(args: argparse.Namespace) -> int:
+    """``--workload overload``: run it, print the figures and the verdict (exit 0 on PASS)."""
+    import aiohttp
+
+    from bench._common import write_json
+    from bench.serve import overload
+    from bench.serve import workload as wl
+
+    try:
+        cfg = overload.OverloadConfig(
+            streams=args.streams, flood=args.flood, stalled=args.stalled, huge=args.huge,
+            huge_mib=args.huge_mib, quiet_s=args.quiet_s, overload_s=args.overload_s,
+            timeout_s=args.timeout_s,
+        )  # fmt: skip
+        specs = wl.build_fixed(
+            wl.default_tokenizer(args.tokenizer),
+            num_requests=max(args.streams, 1) * 4,
+            prompt_tokens=args.prompt_tokens,
+            output_tokens=args.output_tokens,
+            seed=args.seed,
+        )
+        phases = asyncio.run(overload.run_overload(args.base_url, specs, cfg, args.model))
+    except ValueError as exc:
+        print(f"pdserve bench: {exc}", file=sys.stderr)
+        return 2
+    except (aiohttp.ClientError, OSError, RuntimeError, TimeoutError) as exc:
+        print(f"pdserve bench: {args.base_url}: {exc or type(exc).__name__}", file=sys.stderr)
+        return 1
+    ok, lines = overload.verdict(phases)
+    print(f"overload at {args.base_url}: {vars(cfg)}")
+    print("\n".join(lines))
+    if args.json is not None:
+        write_json(args.json, {"config": vars(cfg), "lines": lines, "phases": {
+            p.name: [r.to_dict() for r in p.records] for p in phases}})  # fmt: skip
+        print(f"wrote {args.json}")
+    return 0 if ok else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
