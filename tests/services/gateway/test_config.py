@@ -47,6 +47,11 @@ def test_flags_override_environment_override_defaults() -> None:
         (["--kv-cache-mib", "0"], {}, "kv_cache_mib must be >= 1"),
         (["--served-model-name", " "], {}, "served_model_name must not be blank"),
         (["--worker-keepalive-s", "0"], {}, "worker_keepalive_s=0.0 must be > 0"),
+        (["--max-concurrent-requests", "0"], {}, "max_concurrent_requests=0 must be >= 1"),
+        (["--max-queued-requests", "-1"], {}, "max_queued_requests=-1 must be >= 0"),
+        (["--write-timeout-s", "0"], {}, "write_timeout_s=0.0 must be > 0"),
+        (["--max-connections", "0"], {}, "max_connections=0 must be >= 1"),
+        (["--rate-limit-rps", "-1"], {}, "rate_limit_rps=-1.0 must be >= 0"),
     ],
 )
 def test_bad_values_exit_with_usage_error(argv, env, needle, capsys) -> None:
@@ -54,3 +59,14 @@ def test_bad_values_exit_with_usage_error(argv, env, needle, capsys) -> None:
         load_config(argv, env)
     assert info.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_admission_defaults_follow_the_workers_batch() -> None:
+    cfg = load_config([], {})
+    assert (cfg.concurrency, cfg.queue_size) == (64, 64)  # --max-num-seqs' default
+    cfg = load_config(["--max-num-seqs", "16"], {})
+    assert (cfg.concurrency, cfg.queue_size) == (16, 16)
+    env = {"PDSERVE_GATEWAY_MAX_CONCURRENT_REQUESTS": "8", "PDSERVE_GATEWAY_RATE_LIMIT_RPS": "2"}
+    cfg = load_config(["--max-queued-requests", "0"], env)
+    assert (cfg.concurrency, cfg.queue_size, cfg.rate_limit_rps) == (8, 0, 2.0)
+    assert (cfg.write_timeout_s, cfg.max_connections, cfg.rate_limit_burst) == (30.0, 512, 10)
