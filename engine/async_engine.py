@@ -4,8 +4,10 @@ The engine is not thread-safe and its steps block for tens of milliseconds, so i
 thread that alone touches it (one owner of the state). Coroutines talk to it through a
 command queue; results come back as futures and per-request asyncio queues.
 
-Loop (the engine thread): receive commands -> run a batch of queued prefill-only prompts
-(prefill role) -> one ``step()`` of continuous batching (colocated and decode roles) ->
+Loop (the engine thread): receive commands -> one pass over queued prefill-only prompts
+(prefill role: at most ``prefill_token_budget`` tokens, a longer prompt computed in chunks
+over several passes, so that a cancelled one stops at the next pass) -> one ``step()`` of
+continuous batching (colocated and decode roles) ->
 hand each event to its request's asyncio queue -> wait (bounded by ``delivery_wait_s``)
 until the event loop has run the consumers those events woke. Idle, it blocks on the
 command queue.
@@ -63,6 +65,7 @@ class EngineStats:
 class _PrefillJob:
     plan: PrefillPlan
     on_layer_kv: Callable[[int], None] | None
+    on_computed: Callable[[int], None] | None
     future: Future[PrefillOutput]
 
 
@@ -239,17 +242,25 @@ class AsyncEngine:
             raise
 
     async def run_prefill(
-        self, plan: PrefillPlan, on_layer_kv: Callable[[int], None] | None = None
+        self,
+        plan: PrefillPlan,
+        on_layer_kv: Callable[[int], None] | None = None,
+        on_computed: Callable[[int], None] | None = None,
     ) -> PrefillOutput:
         """Prefill role: compute a planned prompt (batched with others queued close
-        together) and sample its first token.
+        together; beyond ``prefill_token_budget`` tokens, chunk by chunk) and sample its
+        first token.
 
-        ``on_layer_kv(layer)`` runs on the engine thread as each layer's KV lands. Cancelling
-        drops the prompt if it has not run yet; its blocks stay held until ``release``.
+        Both hooks run on the engine thread: ``on_layer_kv(layer)`` as each layer's KV of
+        the whole prompt lands (during its last chunk's pass, the earlier chunks' KV being
+        in the pool by then), ``on_computed(tokens)`` after each pass that computed some of
+        it. Cancelling drops the prompt before its next pass (a pass under way ends first);
+        its blocks stay held until ``release``.
         """
         fut: Future[PrefillOutput] = Future()
+        job = _PrefillJob(plan, on_layer_kv, on_computed, fut)
         try:
-            await self.call(lambda: self._prefills.append(_PrefillJob(plan, on_layer_kv, fut)))
+            await self.call(lambda: self._prefills.append(job))
             return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:  # queued after the append: it runs before the batch
             self._commands.put((lambda: self._drop_queued(plan.request_id), Future()))
@@ -387,17 +398,18 @@ class AsyncEngine:
                 return
 
     def _run_prefills(self) -> None:
-        batch: list[_PrefillJob] = []
-        tokens = 0
-        while self._prefills:
-            job = self._prefills[0]
-            n = job.plan.num_tokens - job.plan.num_cached_tokens
-            if batch and tokens + n > self.prefill_token_budget:
+        """One pass: queued prompts in order, each taking what the budget has left (the
+        first may be a chunk of a longer prompt, the last the first chunk of one)."""
+        batch: list[tuple[_PrefillJob, int, bool]] = []  # job, tokens, completes the prompt
+        room = self.prefill_token_budget
+        for job in self._prefills:
+            if room <= 0:
                 break
-            batch.append(self._prefills.pop(0))
-            tokens += n
-        plans = [j.plan for j in batch]
-        hooks = [j.on_layer_kv for j in batch if j.on_layer_kv is not None]
+            pending = self.engine.prefill_pending(job.plan.request_id)
+            n = min(pending, room)
+            batch.append((job, n, n == pending))
+            room -= n
+        hooks = [j.on_layer_kv for j, _, last in batch if last and j.on_layer_kv is not None]
 
         def on_layer(layer: int) -> None:
             for hook in hooks:
@@ -405,16 +417,30 @@ class AsyncEngine:
 
         t0 = time.perf_counter()
         try:
-            outs = self.engine.run_prefill(plans, on_layer if hooks else None)
+            outs = self.engine.run_prefill(
+                [j.plan for j, _, _ in batch],
+                on_layer if hooks else None,
+                max_tokens=[n for _, n, _ in batch],
+            )
         except Exception as e:  # the blocks stay held: their owners release them
-            for j in batch:
+            for j, _, _ in batch:
+                self._prefills.remove(j)
                 j.future.set_exception(e)
             return
         seconds = time.perf_counter() - t0
-        log.debug("prefill_batch", size=len(batch), tokens=tokens, seconds=seconds)
+        log.debug("prefill_batch", size=len(batch), tokens=self.prefill_token_budget - room)
         self._report("prefill", seconds, len(batch))
-        for j, out in zip(batch, outs, strict=True):
-            j.future.set_result(out)
+        by_id = {out.request_id: out for out in outs}
+        for j, n, _ in batch:
+            if j.on_computed is not None:
+                try:
+                    j.on_computed(n)
+                except Exception:  # a counter's hook must never stop the engine
+                    log.exception("on_computed_failed")
+            out = by_id.get(j.plan.request_id)
+            if out is not None:
+                self._prefills.remove(j)
+                j.future.set_result(out)
 
     def _fail_all(self, e: Exception) -> None:
         for rid in list(self._streams):
@@ -436,7 +462,7 @@ class AsyncEngine:
             # Prompt tokens accepted and not computed yet: queued prefill-only prompts, and
             # the prompts waiting in the batch scheduler (a local prefill).
             queued_prefill_tokens=sum(
-                j.plan.num_tokens - j.plan.num_cached_tokens for j in self._prefills
+                eng.prefill_pending(j.plan.request_id) for j in self._prefills
             )
             + sum(seq.pending for seq in sched.waiting),
         )

@@ -402,7 +402,8 @@ class LLMEngine:
         return seq
 
     # -- disaggregated roles -----------------------------------------------------------
-    # A prefill worker calls plan_prefill -> run_prefill -> (send KV) -> release.
+    # A prefill worker calls plan_prefill -> run_prefill (in one pass, or chunk by chunk)
+    # -> (send KV) -> release.
     # A decode worker calls reserve (its own cached prefix reused) -> (prefill worker fills
     # the other blocks) -> add_prefilled, or cancel_reservation if the prefill failed.
     # Both run on the engine's one thread.
@@ -448,21 +449,36 @@ class LLMEngine:
         )
 
     def run_prefill(
-        self, plans: Seq[PrefillPlan], on_layer_kv: Callable[[int], None] | None = None
+        self,
+        plans: Seq[PrefillPlan],
+        on_layer_kv: Callable[[int], None] | None = None,
+        *,
+        max_tokens: Seq[int] | None = None,
     ) -> list[PrefillOutput]:
-        """Compute planned prompts in one forward pass and sample each first token.
+        """Compute planned prompts in one forward pass and sample the first token of each
+        prompt the pass completes; outputs in ``plans`` order, only for those.
 
-        ``on_layer_kv(i)`` fires when layer ``i``'s KV of every prompt is in the pool.
+        ``max_tokens[i]``: compute at most that many of ``plans[i]``'s tokens not computed
+        yet (a chunk; default: all of them). A prompt left unfinished is continued by a
+        later call (``prefill_pending``). ``on_layer_kv(i)`` fires when layer ``i``'s KV of
+        this pass is in the pool.
         """
         seqs = [self._held[p.request_id] for p in plans]
-        items = [ScheduledSeq(seq, seq.pending) for seq in seqs]
+        limits = max_tokens if max_tokens is not None else [seq.pending for seq in seqs]
+        items = [
+            ScheduledSeq(seq, min(seq.pending, n)) for seq, n in zip(seqs, limits, strict=True)
+        ]
+        if any(it.num_tokens < 1 for it in items):
+            raise ValueError("every prompt of a prefill pass computes at least one token")
         sampled = {s.item.seq.request_id: s for s in self.runner.execute(items, on_layer_kv)}
         outs = []
         for it in items:
             self.scheduler.advance(it)
             seq = it.seq
             self._export(seq)
-            tok = sampled[seq.request_id]
+            tok = sampled.get(seq.request_id)
+            if tok is None:
+                continue  # a chunk: the prompt goes on in a later pass
             outs.append(
                 PrefillOutput(
                     seq.request_id,
@@ -474,6 +490,12 @@ class LLMEngine:
                 )
             )
         return outs
+
+    def prefill_pending(self, request_id: str) -> int:
+        """Tokens of a held prefill plan not computed yet (0 once ``run_prefill`` completed
+        it, or for an id not held)."""
+        seq = self._held.get(request_id)
+        return 0 if seq is None else seq.pending
 
     def _export(self, seq: Sequence) -> None:
         """Tell ``kv_export`` of ``seq``'s full blocks it has not been told of."""
