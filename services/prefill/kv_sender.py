@@ -2,9 +2,11 @@
 prefix -> plan -> begin -> layers -> finish or abort -> outcome -> release.
 
 ``KVSender.send`` computes a prompt while its KV streams, layer by layer, into the blocks a
-decode worker reserved, and returns once the bytes are confirmed there. Whatever happens,
-the request's local blocks are released (kept in the prefix cache) only once the transfer's
-outcome is in: the writer reads them until then.
+decode worker reserved, and returns once the bytes are confirmed there. A prompt longer than
+one pass's budget is computed in chunks and streams during its last one. Cancelling the
+send (the caller went away) drops the prompt before its next chunk and aborts the job.
+Whatever happens, the request's local blocks are released (kept in the prefix cache) only
+once the transfer's outcome is in: the writer reads them until then.
 
 The fence, the writer's half: a failed send raises ``SendFailed``, whose ``fenced`` says that
 no byte of the request can land in the destination any more (the writer never began, or
@@ -154,11 +156,17 @@ class KVSender:
             # Observed as the prompt starts (before its compute), as a queue time is.
             metrics.QUEUE_TIME.labels(ROLE).observe(started - arrival)
             hook = _layer_writer(self.aengine.engine, job, sent_ids, transport)
-            out = await asyncio.wait_for(self.aengine.run_prefill(plan, hook), deadline - started)
+            # Counted as each pass computes them: a prompt abandoned between chunks counts
+            # what it cost.
+            count = metrics.PROMPT_TOKENS_COMPUTED.labels(ROLE).inc
+            running = self.aengine.run_prefill(plan, hook, count)
+            out = await asyncio.wait_for(running, deadline - started)
             computed = time.monotonic()
             job.finish()
             result = await _outcome(job)
         except asyncio.CancelledError:
+            # The caller went away (the decode worker cancelled the call): the prompt was
+            # dropped before its next chunk; the writer stops, then the blocks are released.
             if job is not None:
                 job.abort("cancelled: the caller went away")
             raise

@@ -4,8 +4,11 @@ memory layer by layer, answer with the first token.
 Request lifecycle (each stage a queue): received -> checked (destination, placement token)
 -> prefix loaded from the KV store (``kvstore.prefix``: blocks this worker lacks and the
 store holds) -> planned (local blocks, prefix-cache hit) -> transfer begun -> batched with
-prompts that arrived close together (AsyncEngine) -> forward pass, each layer handed to the
-transfer job as soon as its KV is written -> transfer confirmed in the destination -> reply.
+prompts that arrived close together (AsyncEngine) -> forward pass (a prompt longer than
+``--prefill-token-budget``: one chunk per pass), each layer handed to the transfer job as
+soon as its KV is written -> transfer confirmed in the destination -> reply. A call the
+decode worker cancels (its client left) stops its prompt before the next chunk, aborts the
+transfer and releases the blocks once the writer stopped.
 The transfer and the local blocks are ``KVSender``'s (``services/prefill/kv_sender.py``);
 this module converts protobuf at the edge and maps outcomes to replies and statuses.
 
@@ -124,7 +127,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         out, result = sent.output, sent.transfer
         computed = sent.num_tokens - out.num_cached_tokens
         metrics.PROMPT_TOKENS_CACHED.labels(ROLE).inc(out.num_cached_tokens)
-        metrics.PROMPT_TOKENS_COMPUTED.labels(ROLE).inc(computed)
         metrics.TRANSFER_BYTES.labels(ROLE, dest.handle.transport).inc(result.bytes)
         metrics.TRANSFER_SECONDS.labels(ROLE, dest.handle.transport).observe(result.seconds)
         overlap = result.present_at_last_layer / result.bytes if result.bytes else 1.0
