@@ -6,11 +6,14 @@ needs in the registered pool, the longest prefix this pool's cache holds reused,
 ``ask`` (the Prefill call to a prefill worker) fill the rest. On success the request joins
 the running batch with its first token.
 
+A request cancelled meanwhile (its client left) cancels the call with it: the prefill
+worker stops the prompt before its next chunk and aborts its transfer.
+
 The fence, the reader's half: reserved blocks whose prefill did not deliver are set aside
 (``AsyncEngine.fence``: the request id is free for another attempt) and reused only once
 their writer is known to have stopped: a failure marked fenced (no byte of it can land any
-more), a late reply of the call that a departed client left running, or else the KV lease,
-which ends ``LEASE_GRACE_S`` after the prefill deadline counted from the ask.
+more), or else the KV lease, which ends ``LEASE_GRACE_S`` after the prefill deadline counted
+from the ask (a cancelled call's writer too: no reply can say when it stopped).
 """
 
 from __future__ import annotations
@@ -93,9 +96,7 @@ class KVReceiver:
         lease_end = time.monotonic() + self.prefill_deadline_s + LEASE_GRACE_S
         call = asyncio.ensure_future(ask(reservation))
         try:
-            # Shielded: a departed client does not cancel the prefill, whose answer is what
-            # tells when the blocks it writes are free again.
-            done = await asyncio.shield(call)
+            done = await call  # a departed client cancels it: nobody would read its KV
         except PrefillFailed as e:
             if e.fenced:
                 await self.aengine.release(request_id)
@@ -104,6 +105,7 @@ class KVReceiver:
                 self._fence(request_id, call, lease_end)
             raise
         except BaseException:  # cancelled (the client left), or a bug
+            call.cancel()
             self._fence(request_id, call, lease_end)
             raise
         stream = self.aengine.join_prefilled(

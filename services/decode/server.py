@@ -42,8 +42,6 @@ from transfer.handle import MemoryRegionHandle
 
 log = structlog.get_logger(__name__)
 
-PREFILL_DEADLINE_S = 30.0
-
 
 class UpstreamError(Exception):
     """A call this worker made failed; the client gets that call's status, and the trailing
@@ -63,11 +61,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         region: MemoryRegionHandle | None,
         *,
         role: str = "decode",
-        prefill_deadline_s: float = PREFILL_DEADLINE_S,
+        prefill_deadline_s: float,
         worker_id: str = "",
         store: StoreLink | None = None,
     ) -> None:
-        """``store``: the KV store a prompt prefilled here loads its prefix from."""
+        """``prefill_deadline_s``: a remote prefill's deadline, KV transfer included (the
+        setting ``--prefill-deadline-s``; with ``LEASE_GRACE_S``, a failed prefill's KV lease).
+        ``store``: the KV store a prompt prefilled here loads its prefix from."""
         self.aengine = aengine
         self.store = store
         self.region = region
