@@ -254,7 +254,7 @@ async def test_the_event_loop_answers_while_a_prompt_is_tokenized(gw, monkeypatc
 
     def held_encode(text: str, **kwargs: Any) -> list[int]:
         tokenizing.set()
-        release.wait(30)
+        release.wait(120)  # past the probe's deadline: a blocked loop fails the probe
         return real_encode(text, **kwargs)
 
     monkeypatch.setattr(tok, "encode", held_encode)
@@ -264,7 +264,7 @@ async def test_the_event_loop_answers_while_a_prompt_is_tokenized(gw, monkeypatc
     def probe_models(url: str) -> None:
         try:
             if tokenizing.wait(30):
-                with urllib.request.urlopen(url, timeout=30) as r:
+                with urllib.request.urlopen(url, timeout=15) as r:
                     probe["status"] = r.status
         except OSError as exc:
             probe["error"] = repr(exc)
@@ -278,6 +278,21 @@ async def test_the_event_loop_answers_while_a_prompt_is_tokenized(gw, monkeypatc
         await asyncio.to_thread(thread.join, 60)
     assert probe == {"status": 200}
     assert status == 200
+
+
+async def test_tokenizing_a_long_prompt_lets_the_event_loop_run(gw) -> None:
+    """The tokenizer lets go of the GIL while it works: the loop turns many times during
+    one long encode on the service's thread (a tokenizer holding the GIL lets it turn once
+    or twice: no other stream's token could go out meanwhile)."""
+    model = gw.service.models[MODEL]
+    text = "serving many streams at once " * 20_000  # 580 KB: a fraction of a second
+    turns = 0
+    encode = asyncio.ensure_future(gw.service.prepare(model.encode_text, text))
+    while not encode.done():
+        await asyncio.sleep(0)
+        turns += 1
+    assert len(await encode) > 20_000
+    assert turns > 50, turns
 
 
 # -- slow readers and connections ------------------------------------------------------------
