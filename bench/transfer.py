@@ -959,11 +959,14 @@ class Service:
     """A service subprocess; ``wait_for`` blocks until a line with ``marker`` is printed.
 
     It gets its own session so that, if it will not stop on SIGTERM, its whole process
-    group (what ``pdserve up`` started) can be killed.
+    group (what ``pdserve up`` started) can be killed. The benches drive workers without a
+    scheduler, on one host: they run as an insecure cluster (nothing would sign placement
+    tokens).
     """
 
     def __init__(self, argv: Sequence[str], cpus: set[int] | None = None) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_CLUSTER_TOKEN")}
+        env.update(PYTHONUNBUFFERED="1", PDSERVE_INSECURE_CLUSTER="true")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
             [sys.executable, *argv],

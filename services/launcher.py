@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -58,6 +59,14 @@ class Proc:
     lines: list[str] = field(default_factory=list)
 
 
+# How a service learns to authenticate internal calls (services/common/cluster_auth.py).
+_AUTH_VARIABLES = (
+    "PDSERVE_CLUSTER_TOKEN",
+    "PDSERVE_CLUSTER_TOKEN_FILE",
+    "PDSERVE_INSECURE_CLUSTER",
+)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -70,12 +79,18 @@ class Stack:
     def __init__(
         self, *, log_dir: Path, echo: bool = False, env: dict[str, str] | None = None
     ) -> None:
-        """``env``: variables every process gets on top of this one's environment (``pdserve
-        up`` puts the stack's cluster token there)."""
+        """``env``: variables every process gets on top of this one's environment. How
+        internal calls authenticate (a cluster token, its file, or
+        ``PDSERVE_INSECURE_CLUSTER``) comes from ``env`` alone when it says, else from this
+        process's environment, else the stack makes a fresh token of its own for all its
+        processes: services refuse to start without one."""
         self.procs: list[Proc] = []
         self.log_dir = log_dir
         self.echo = echo
         self.env: dict[str, str] = dict(env or {})
+        seen = {**os.environ, **self.env}
+        if not any(seen.get(k) for k in _AUTH_VARIABLES):
+            self.env["PDSERVE_CLUSTER_TOKEN"] = secrets.token_urlsafe(32)
 
     def start(self, proc: Proc, *, ready_line: str | None = "READY ") -> Proc:
         """Start ``proc``; it is ready once a line containing ``ready_line`` appears (our
@@ -97,6 +112,13 @@ class Stack:
     def named(self, name: str) -> Proc:
         return next(p for p in self.procs if p.name == name)
 
+    def _environment(self) -> dict[str, str]:
+        inherited = dict(os.environ)
+        if any(k in self.env for k in _AUTH_VARIABLES):  # the stack's choice, not a mix
+            for k in _AUTH_VARIABLES:
+                inherited.pop(k, None)
+        return {**inherited, **self.env, "PYTHONUNBUFFERED": "1"}
+
     def _spawn(self, proc: Proc, log_mode: str) -> None:
         parent = os.getpid()
 
@@ -113,7 +135,7 @@ class Stack:
             stderr=subprocess.STDOUT,
             text=True,
             preexec_fn=pin,
-            env=dict(os.environ, **self.env, PYTHONUNBUFFERED="1"),
+            env=self._environment(),
         )
         popen, ready_line = proc.popen, proc.ready_line
 
@@ -177,18 +199,46 @@ class Stack:
         return [p for p in self.procs if p.popen is not None and p.popen.poll() is not None]
 
 
+REDIS_USER = "pdserve"
+REDIS_MAXMEMORY = "256mb"
+
+
+def redis_password_file(workdir: Path) -> Path:
+    """Where ``redis_proc`` keeps the stack's Redis password (mode 0600)."""
+    return workdir / "redis" / "password"
+
+
 def redis_proc(port: int, workdir: Path) -> Proc:
     """redis-server on ``port``, persisting to an append-only file under ``workdir/redis``
-    (fsync once a second), so a restarted Redis still has the request records."""
+    (fsync once a second), so a restarted Redis still has the request records.
+
+    Only the ACL user ``REDIS_USER`` may log in, with a random password kept in
+    ``redis_password_file(workdir)`` (made once: a restart keeps it); the default user is
+    off. Memory is capped at ``REDIS_MAXMEMORY``, evicting the least recently used keys
+    (every key the scheduler writes is a cache or a record with a TTL), so a flood of
+    records cannot grow Redis until the host kills it."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise RuntimeError("redis-server is not installed (bash scripts/setup.sh installs it)")
     data = workdir / "redis"
     data.mkdir(parents=True, exist_ok=True)
+    password = redis_password_file(workdir)
+    if not password.exists():
+        _private(password, secrets.token_urlsafe(32))
+    acl = data / "users.acl"
+    _private(acl, f"user default off\nuser {REDIS_USER} on >{password.read_text()} ~* &* +@all\n")
     argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "yes", "--appendfsync", "everysec",
-            "--dir", str(data), "--protected-mode", "no"]  # fmt: skip
+            "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(data),
+            "--aclfile", str(acl), "--maxmemory", REDIS_MAXMEMORY,
+            "--maxmemory-policy", "allkeys-lru"]  # fmt: skip
     return Proc("redis", argv)
+
+
+def _private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``, readable by this user only."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def py(module: str, *args: str) -> list[str]:

@@ -51,7 +51,16 @@ from services.common.config import cpu_list, tcp_congestion
 from services.common.engine_args import EngineArgs
 from services.common.settings import setting
 from services.common.worker_args import MIN_SEGMENT_MIB
-from services.launcher import Proc, Stack, default_log_dir, free_port, py, redis_proc
+from services.launcher import (
+    REDIS_USER,
+    Proc,
+    Stack,
+    default_log_dir,
+    free_port,
+    py,
+    redis_password_file,
+    redis_proc,
+)
 from services.prometheus import READY_LINE, prometheus_exe, prometheus_proc, scrape_config
 from services.scheduler.model import Routing
 from services.scheduler.policy import LOCAL_PREFILL_MAX_TOKENS
@@ -221,8 +230,7 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
         prometheus_exe()  # a missing binary fails before anything starts
     # One fresh cluster token per stack, in every process's environment (never on a command
     # line); the stack's own, whatever the caller's environment says.
-    stack.env.setdefault("PDSERVE_CLUSTER_TOKEN", secrets.token_urlsafe(32))
-    stack.env.setdefault("PDSERVE_CLUSTER_TOKEN_FILE", "")
+    stack.env["PDSERVE_CLUSTER_TOKEN"] = secrets.token_urlsafe(32)
     redis_port = cfg.redis_port or free_port()
     cores = sorted(os.sched_getaffinity(0))
     control = cfg.control_cores(cores)
@@ -241,7 +249,8 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
     sched = stack.start(Proc("scheduler", py(
         "services.scheduler", "--grpc-host", cfg.host, "--grpc-port", str(sched_port),
         "--metrics-host", cfg.host, "--metrics-port", str(sched_metrics),
-        "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
+        "--redis-url", f"redis://127.0.0.1:{redis_port}/0", "--redis-username", REDIS_USER,
+        "--redis-password-file", str(redis_password_file(workdir)),
         "--heartbeat-ttl-s", str(cfg.heartbeat_ttl_s), "--routing", cfg.routing,
         "--local-prefill-max-tokens", str(cfg.local_prefill_max_tokens),
     ), control))  # fmt: skip

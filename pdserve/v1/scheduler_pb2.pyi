@@ -58,12 +58,14 @@ class RegisterWorkerRequest(_message.Message):
     def __init__(self, worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class RegisterWorkerReply(_message.Message):
-    __slots__ = ("heartbeat_interval_ms", "lease_ttl_ms")
+    __slots__ = ("heartbeat_interval_ms", "lease_ttl_ms", "placement_verify_key")
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_VERIFY_KEY_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_ms: int
     lease_ttl_ms: int
-    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    placement_verify_key: bytes
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., placement_verify_key: _Optional[bytes] = ...) -> None: ...
 
 class LoadSnapshot(_message.Message):
     __slots__ = ("running_requests", "waiting_requests", "free_kv_blocks", "total_kv_blocks", "queued_prompt_tokens")
@@ -100,12 +102,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., sequence: _Optional[int] = ..., load: _Optional[_Union[LoadSnapshot, _Mapping]] = ..., cached_block_hashes_added: _Optional[_Iterable[int]] = ..., cached_block_hashes_removed: _Optional[_Iterable[int]] = ..., cache_snapshot: _Optional[bool] = ..., stored_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("resync_cache", "heartbeat_interval_ms")
+    __slots__ = ("resync_cache", "heartbeat_interval_ms", "placement_verify_key")
     RESYNC_CACHE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_VERIFY_KEY_FIELD_NUMBER: _ClassVar[int]
     resync_cache: bool
     heartbeat_interval_ms: int
-    def __init__(self, resync_cache: _Optional[bool] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+    placement_verify_key: bytes
+    def __init__(self, resync_cache: _Optional[bool] = ..., heartbeat_interval_ms: _Optional[int] = ..., placement_verify_key: _Optional[bytes] = ...) -> None: ...
 
 class DeregisterWorkerRequest(_message.Message):
     __slots__ = ("worker_id",)

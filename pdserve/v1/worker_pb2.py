@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x80\x01\n\rKVDestination\x12.\n\x06region\x18\x02 \x01(\x0b\x32\x1e.pdserve.v1.MemoryRegionHandle\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x1a\n\x12num_present_tokens\x18\x04 \x01(\rJ\x04\x08\x01\x10\x02R\nsession_id\"\x81\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x04 \x01(\r\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x05 \x01(\t\x12\x17\n\x0fplacement_token\x18\x06 \x01(\t\x12\x31\n\x0ekv_destination\x18\n \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\x18\n\x10resume_token_ids\x18\x14 \x03(\r\"\x93\x02\n\x0cPrefillReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x1b\n\x13\x66irst_token_logprob\x18\x03 \x01(\x02\x12\x19\n\x11num_cached_tokens\x18\n \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x0b \x01(\r\x12\x19\n\x11kv_transfer_bytes\x18\x0c \x01(\x04\x12\x15\n\rqueue_seconds\x18\x14 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x15 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x16 \x01(\x01\x12\x1d\n\x15transfer_tail_seconds\x18\x17 \x01(\x01\"\xda\x01\n\x15\x44\x65\x63odeGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\n \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x0b \x01(\t\x12\x17\n\x0fplacement_token\x18\x0c \x01(\t\x12\x18\n\x10resume_token_ids\x18\x14 \x03(\r\"\xde\x02\n\x0b\x44\x65\x63odeEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x18\n\x10produced_unix_ns\x18\x04 \x01(\x03\x12/\n\rfinish_reason\x18\n \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x0b \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x0c \x01(\tH\x00\x12\x15\n\rerror_message\x18\r \x01(\t\x12 \n\x05usage\x18\x14 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x15 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12\x19\n\x11prefill_worker_id\x18\x16 \x01(\t\x12\x19\n\x11kv_transfer_bytes\x18\x17 \x01(\x04\x42\x0e\n\x0cmatched_stop2P\n\rPrefillWorker\x12?\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x18.pdserve.v1.PrefillReply2X\n\x0c\x44\x65\x63odeWorker\x12H\n\x08Generate\x12!.pdserve.v1.DecodeGenerateRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x80\x01\n\rKVDestination\x12.\n\x06region\x18\x02 \x01(\x0b\x32\x1e.pdserve.v1.MemoryRegionHandle\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x1a\n\x12num_present_tokens\x18\x04 \x01(\rJ\x04\x08\x01\x10\x02R\nsession_id\"\x92\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x04 \x01(\r\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x05 \x01(\t\x12\x17\n\x0fplacement_token\x18\x06 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x07 \x01(\r\x12\x31\n\x0ekv_destination\x18\n \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\x18\n\x10resume_token_ids\x18\x14 \x03(\r\"\x93\x02\n\x0cPrefillReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x1b\n\x13\x66irst_token_logprob\x18\x03 \x01(\x02\x12\x19\n\x11num_cached_tokens\x18\n \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x0b \x01(\r\x12\x19\n\x11kv_transfer_bytes\x18\x0c \x01(\x04\x12\x15\n\rqueue_seconds\x18\x14 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x15 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x16 \x01(\x01\x12\x1d\n\x15transfer_tail_seconds\x18\x17 \x01(\x01\"\xeb\x01\n\x15\x44\x65\x63odeGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\n \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x0b \x01(\t\x12\x17\n\x0fplacement_token\x18\x0c \x01(\t\x12\x0f\n\x07\x61ttempt\x18\r \x01(\r\x12\x18\n\x10resume_token_ids\x18\x14 \x03(\r\"\xde\x02\n\x0b\x44\x65\x63odeEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x18\n\x10produced_unix_ns\x18\x04 \x01(\x03\x12/\n\rfinish_reason\x18\n \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x0b \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x0c \x01(\tH\x00\x12\x15\n\rerror_message\x18\r \x01(\t\x12 \n\x05usage\x18\x14 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x15 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12\x19\n\x11prefill_worker_id\x18\x16 \x01(\t\x12\x19\n\x11kv_transfer_bytes\x18\x17 \x01(\x04\x42\x0e\n\x0cmatched_stop2P\n\rPrefillWorker\x12?\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x18.pdserve.v1.PrefillReply2X\n\x0c\x44\x65\x63odeWorker\x12H\n\x08Generate\x12!.pdserve.v1.DecodeGenerateRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,15 +35,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVDESTINATION']._serialized_start=65
   _globals['_KVDESTINATION']._serialized_end=193
   _globals['_PREFILLREQUEST']._serialized_start=196
-  _globals['_PREFILLREQUEST']._serialized_end=453
-  _globals['_PREFILLREPLY']._serialized_start=456
-  _globals['_PREFILLREPLY']._serialized_end=731
-  _globals['_DECODEGENERATEREQUEST']._serialized_start=734
-  _globals['_DECODEGENERATEREQUEST']._serialized_end=952
-  _globals['_DECODEEVENT']._serialized_start=955
-  _globals['_DECODEEVENT']._serialized_end=1305
-  _globals['_PREFILLWORKER']._serialized_start=1307
-  _globals['_PREFILLWORKER']._serialized_end=1387
-  _globals['_DECODEWORKER']._serialized_start=1389
-  _globals['_DECODEWORKER']._serialized_end=1477
+  _globals['_PREFILLREQUEST']._serialized_end=470
+  _globals['_PREFILLREPLY']._serialized_start=473
+  _globals['_PREFILLREPLY']._serialized_end=748
+  _globals['_DECODEGENERATEREQUEST']._serialized_start=751
+  _globals['_DECODEGENERATEREQUEST']._serialized_end=986
+  _globals['_DECODEEVENT']._serialized_start=989
+  _globals['_DECODEEVENT']._serialized_end=1339
+  _globals['_PREFILLWORKER']._serialized_start=1341
+  _globals['_PREFILLWORKER']._serialized_end=1421
+  _globals['_DECODEWORKER']._serialized_start=1423
+  _globals['_DECODEWORKER']._serialized_end=1511
 # @@protoc_insertion_point(module_scope)

@@ -18,13 +18,14 @@ class KVDestination(_message.Message):
     def __init__(self, region: _Optional[_Union[_common_pb2.MemoryRegionHandle, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_present_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "deadline_ms", "decode_worker_id", "placement_token", "kv_destination", "resume_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "deadline_ms", "decode_worker_id", "placement_token", "attempt", "kv_destination", "resume_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     KV_DESTINATION_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
@@ -33,9 +34,10 @@ class PrefillRequest(_message.Message):
     deadline_ms: int
     decode_worker_id: str
     placement_token: str
+    attempt: int
     kv_destination: KVDestination
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., placement_token: _Optional[str] = ..., kv_destination: _Optional[_Union[KVDestination, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., placement_token: _Optional[str] = ..., attempt: _Optional[int] = ..., kv_destination: _Optional[_Union[KVDestination, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_token_logprob", "num_cached_tokens", "num_computed_tokens", "kv_transfer_bytes", "queue_seconds", "compute_seconds", "transfer_seconds", "transfer_tail_seconds")
@@ -62,13 +64,14 @@ class PrefillReply(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transfer_tail_seconds: _Optional[float] = ...) -> None: ...
 
 class DecodeGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_address", "prefill_worker_id", "placement_token", "resume_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_address", "prefill_worker_id", "placement_token", "attempt", "resume_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -76,8 +79,9 @@ class DecodeGenerateRequest(_message.Message):
     prefill_address: str
     prefill_worker_id: str
     placement_token: str
+    attempt: int
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., placement_token: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., placement_token: _Optional[str] = ..., attempt: _Optional[int] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("token_ids", "logprobs", "text", "produced_unix_ns", "finish_reason", "stop_token_id", "stop_string", "error_message", "usage", "timing", "prefill_worker_id", "kv_transfer_bytes")

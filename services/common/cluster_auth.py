@@ -10,8 +10,10 @@ The gateway's public API is not behind this: it keeps its own API keys.
 The token comes from ``--cluster-token-file`` (``PDSERVE_CLUSTER_TOKEN_FILE``) or from
 ``PDSERVE_CLUSTER_TOKEN`` (environment only: a token on a command line is visible to every
 user of the machine); the variables are shared by every service. Without a token a service
-runs open and says so once at start. The token also keys placement tokens
-(``services.common.placement_token``) through ``placement_key``.
+refuses to start (exit status 2) unless ``--insecure-cluster`` (``PDSERVE_INSECURE_CLUSTER``)
+says to run internal gRPC unauthenticated, and then warns once; an insecure prefill worker
+does not check placement tokens either. Placement tokens do not derive from the cluster
+token: the scheduler signs them with a key of its own (``services.common.placement_token``).
 
 TLS: ``--cluster-tls-cert``/``--cluster-tls-key`` make the server side TLS (and are the
 client certificate for mTLS); ``--cluster-tls-ca`` makes clients verify servers against it
@@ -20,7 +22,6 @@ and servers require and verify client certificates (mutual TLS).
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +39,6 @@ log = structlog.get_logger(__name__)
 TOKEN_METADATA_KEY = "x-pdserve-cluster-token"
 # Methods under these prefixes answer without a token: probes and tools carry none.
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-_PLACEMENT_KEY_LABEL = b"pdserve placement-token v1"
 
 
 @dataclass(frozen=True)
@@ -49,12 +49,20 @@ class ClusterAuthArgs:
     cluster_token_file: str | None = setting(
         None,
         "file holding the cluster token internal gRPC calls carry (or the token itself in "
-        "PDSERVE_CLUSTER_TOKEN); neither: internal calls are not authenticated",
+        "PDSERVE_CLUSTER_TOKEN); neither: the service refuses to start (see "
+        "--insecure-cluster)",
         env="PDSERVE_CLUSTER_TOKEN_FILE",
         metavar="PATH",
     )
     cluster_token: str | None = setting(
         None, "the cluster token itself", env="PDSERVE_CLUSTER_TOKEN", secret=True
+    )
+    insecure_cluster: bool = setting(
+        False,
+        "run internal gRPC without a cluster token: any process that reaches this service's "
+        "port may call it, and a prefill worker writes KV wherever it is told (a try-out on "
+        "one machine only)",
+        env="PDSERVE_INSECURE_CLUSTER",
     )
     cluster_tls_cert: str | None = setting(
         None,
@@ -81,6 +89,8 @@ class ClusterAuthArgs:
             )
         if self.cluster_token is not None and not self.cluster_token.strip():
             raise ValueError("PDSERVE_CLUSTER_TOKEN is blank")
+        if self.insecure_cluster and (self.cluster_token_file or self.cluster_token):
+            raise ValueError("--insecure-cluster and a cluster token contradict each other")
         if bool(self.cluster_tls_cert) != bool(self.cluster_tls_key):
             raise ValueError("--cluster-tls-cert and --cluster-tls-key go together")
 
@@ -94,14 +104,6 @@ class ClusterAuth:
     cert: bytes | None = field(default=None, repr=False)
     key: bytes | None = field(default=None, repr=False)
     ca: bytes | None = field(default=None, repr=False)
-
-    @property
-    def placement_key(self) -> bytes | None:
-        """The key placement tokens are signed with, derived from the cluster token (None:
-        no token, placements are not signed)."""
-        if self.token is None:
-            return None
-        return hmac.new(self.token.encode(), _PLACEMENT_KEY_LABEL, hashlib.sha256).digest()
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
         """TLS for an internal server (client certificates required with a CA); None: plain."""
@@ -123,7 +125,8 @@ class ClusterAuth:
 
 
 def load(args: ClusterAuthArgs) -> ClusterAuth:
-    """Read the files ``args`` names; ``ValueError`` naming the one that cannot be read."""
+    """Read the files ``args`` names; ``ValueError`` naming the one that cannot be read, or
+    saying that there is no token and ``--insecure-cluster`` was not given."""
 
     def read(path: str | None, what: str) -> bytes | None:
         if not path:
@@ -139,6 +142,12 @@ def load(args: ClusterAuthArgs) -> ClusterAuth:
         token = raw.decode().strip()
         if not token:
             raise ValueError(f"the cluster token file {args.cluster_token_file} is empty")
+    if not token and not args.insecure_cluster:
+        raise ValueError(
+            "no cluster token: give --cluster-token-file PATH or PDSERVE_CLUSTER_TOKEN (the "
+            "same on every service), or --insecure-cluster to run internal gRPC "
+            "unauthenticated"
+        )
     return ClusterAuth(
         token=token.strip() if token else None,
         cert=read(args.cluster_tls_cert, "TLS certificate"),
@@ -151,16 +160,16 @@ _installed = ClusterAuth()
 
 
 def install(auth: ClusterAuth, service: str) -> None:
-    """Make ``auth`` this process's: ``installed()`` and ``channel`` use it. Without a token,
-    warns once that internal calls are not authenticated."""
+    """Make ``auth`` this process's: ``installed()`` and ``channel`` use it. Without a token
+    (``--insecure-cluster``), warns once that internal calls are not authenticated."""
     global _installed
     _installed = auth
     if auth.token is None:
         log.warning(
             "cluster_auth_off",
             service=service,
-            detail="no cluster token (--cluster-token-file / PDSERVE_CLUSTER_TOKEN): internal "
-            "gRPC calls are not authenticated and KV destinations are not checked",
+            detail="--insecure-cluster: internal gRPC calls are not authenticated; any process "
+            "that reaches this service's port may call it",
         )
 
 

@@ -1,21 +1,25 @@
-"""Placement tokens: the scheduler's signed word that a prefill worker may write one
-request's KV into one decode worker's registered region.
+"""Placement tokens: the scheduler's signed word that one prefill worker may write one
+attempt of one request's KV into one decode worker's registered region.
 
-The scheduler mints a token at ``Place`` over (request id, decode worker id, the digest of
-the decode worker's KV region, an expiry); the gateway hands it to the decode worker, which
-passes it on in ``PrefillRequest``; the prefill worker checks it against the request and the
-destination handle it was given before it connects a writer. Without the key (the cluster
-token) nobody can mint one, so a caller cannot aim a prefill worker at memory the scheduler
-did not place.
+The scheduler mints a token at ``Place`` over (request id, attempt, decode worker id,
+prefill worker id, the digest of the decode worker's KV region, an expiry); the gateway
+hands it to the decode worker, which passes it on in ``PrefillRequest``; the prefill worker
+checks it against the request, its own worker id and the destination handle it was given
+before it connects a writer.
 
-Form: ``v1.<claims>.<mac>``, both parts unpadded base64url; claims are compact JSON
-``{"r": request_id, "w": decode_worker_id, "d": region_digest, "e": expiry_unix_s}``; mac is
-HMAC-SHA256 over the ``v1.<claims>`` text with the placement key
-(``ClusterAuth.placement_key``, itself derived from the cluster token). The claims are
-readable (ids and a digest, no secret) so a refusal can say what did not match. Expiry is
-wall clock: hosts' clocks must agree to within the token's lifetime.
+Tokens are Ed25519 signatures. The private key lives in the scheduler alone (generated at
+start, or ``--placement-signing-key-file``); workers learn the public key from the
+scheduler's ``RegisterWorker`` and ``Heartbeat`` replies. So a worker, or anyone holding
+the cluster token, can check a token but cannot mint one: a caller cannot aim a prefill
+worker at memory, or at a worker, the scheduler did not place.
 
-Pure: no I/O, the clock is an argument.
+Form: ``v2.<claims>.<signature>``, both parts unpadded base64url; claims are compact JSON
+``{"r": request_id, "a": attempt, "w": decode_worker_id, "p": prefill_worker_id,
+"d": region_digest, "e": expiry_unix_s}``; the signature covers the ``v2.<claims>`` text.
+The claims are readable (ids and a digest, no secret) so a refusal can say what did not
+match. Expiry is wall clock: hosts' clocks must agree to within the token's lifetime.
+
+Pure apart from key files: the clock is an argument.
 """
 
 from __future__ import annotations
@@ -23,12 +27,23 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import hmac
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
-VERSION = "v1"
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
+
+VERSION = "v2"
 DEFAULT_TTL_S = 600.0
+# Public keys a worker keeps: the scheduler's current one and those of the schedulers just
+# before it (tokens minted before a restart stay good for their lifetime).
+KEEP_VERIFY_KEYS = 4
 
 
 class PlacementTokenError(Exception):
@@ -37,11 +52,14 @@ class PlacementTokenError(Exception):
 
 @dataclass(frozen=True)
 class Claims:
-    """What a placement token allows: ``request_id``'s KV into the region with digest
-    ``region_digest`` of decode worker ``decode_worker_id``, until ``expires_unix_s``."""
+    """What a placement token allows: attempt ``attempt`` of ``request_id`` written by
+    prefill worker ``prefill_worker_id`` into the region with digest ``region_digest`` of
+    decode worker ``decode_worker_id``, until ``expires_unix_s``."""
 
     request_id: str
+    attempt: int
     decode_worker_id: str
+    prefill_worker_id: str
     region_digest: str
     expires_unix_s: float
 
@@ -53,6 +71,48 @@ def region_digest(transport: str, address: str, region_id: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def new_signing_key() -> Ed25519PrivateKey:
+    """A fresh private key (a scheduler without ``--placement-signing-key-file``)."""
+    return Ed25519PrivateKey.generate()
+
+
+def load_signing_key(path: str) -> Ed25519PrivateKey:
+    """The Ed25519 private key in the PEM file ``path`` (``openssl genpkey -algorithm
+    ed25519``); ``ValueError`` saying why it cannot be used."""
+    try:
+        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+    except OSError as e:
+        raise ValueError(f"cannot read the placement signing key {path}: {e.strerror}") from None
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path} is not a PEM private key without a passphrase: {e}") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise ValueError(f"{path} is not an Ed25519 key (openssl genpkey -algorithm ed25519)")
+    return key
+
+
+def verify_key_bytes(key: Ed25519PrivateKey) -> bytes:
+    """The raw 32-byte public key of ``key``: what workers are told."""
+    return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+class VerifyKeys:
+    """The scheduler public keys a worker accepts tokens from: the newest first, at most
+    ``KEEP_VERIFY_KEYS``. Owned by the worker's event loop (the registrar adds, the
+    servicer reads)."""
+
+    def __init__(self) -> None:
+        self._keys: list[bytes] = []
+
+    def add(self, key: bytes) -> None:
+        """Accept ``key`` (32 raw bytes; anything else is ignored) as the newest."""
+        if len(key) != 32 or (self._keys and self._keys[0] == key):
+            return
+        self._keys = [key, *(k for k in self._keys if k != key)][:KEEP_VERIFY_KEYS]
+
+    def keys(self) -> tuple[bytes, ...]:
+        return tuple(self._keys)
+
+
 def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
@@ -61,57 +121,75 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
-def _mac(key: bytes, signed: str) -> bytes:
-    return hmac.new(key, signed.encode(), hashlib.sha256).digest()
-
-
-def mint(key: bytes, claims: Claims) -> str:
+def mint(key: Ed25519PrivateKey, claims: Claims) -> str:
     """The token for ``claims``, signed with ``key``."""
     body = {
         "r": claims.request_id,
+        "a": claims.attempt,
         "w": claims.decode_worker_id,
+        "p": claims.prefill_worker_id,
         "d": claims.region_digest,
         "e": claims.expires_unix_s,
     }
     signed = f"{VERSION}.{_b64(json.dumps(body, separators=(',', ':')).encode())}"
-    return f"{signed}.{_b64(_mac(key, signed))}"
+    return f"{signed}.{_b64(key.sign(signed.encode()))}"
 
 
-def verify(key: bytes, token: str, expected: Claims, now_unix_s: float) -> Claims:
-    """The token's claims when it is signed with ``key``, unexpired at ``now_unix_s`` and
-    names ``expected``'s request, decode worker and region (``expected.expires_unix_s`` is
-    ignored); else ``PlacementTokenError`` saying what is wrong."""
+def _signed_by(keys: Iterable[bytes], signed: str, signature: bytes) -> bool:
+    for raw in keys:
+        try:
+            Ed25519PublicKey.from_public_bytes(raw).verify(signature, signed.encode())
+            return True
+        except (InvalidSignature, ValueError):
+            continue
+    return False
+
+
+def verify(keys: Iterable[bytes], token: str, expected: Claims, now_unix_s: float) -> Claims:
+    """The token's claims when one of ``keys`` signed it, it is unexpired at
+    ``now_unix_s`` and it names ``expected``'s request, attempt, workers and region
+    (``expected.expires_unix_s`` is ignored); else ``PlacementTokenError`` saying what is
+    wrong."""
+    keys = tuple(keys)
     if not token:
         raise PlacementTokenError("no placement token: the scheduler did not place this write")
+    if not keys:
+        raise PlacementTokenError(
+            "no scheduler key yet (this worker has not registered): cannot check the token"
+        )
     parts = token.split(".")
     if len(parts) != 3 or parts[0] != VERSION:
         raise PlacementTokenError("malformed placement token")
     signed = f"{parts[0]}.{parts[1]}"
     try:
-        mac = _unb64(parts[2])
+        signature = _unb64(parts[2])
     except (binascii.Error, ValueError):
         raise PlacementTokenError("malformed placement token") from None
-    if not hmac.compare_digest(mac, _mac(key, signed)):
-        raise PlacementTokenError("placement token signature is invalid (forged or tampered)")
+    if not _signed_by(keys, signed, signature):
+        raise PlacementTokenError(
+            "placement token signature is invalid (forged, tampered, or from another scheduler)"
+        )
     try:
         body = json.loads(_unb64(parts[1]))
-        got = Claims(str(body["r"]), str(body["w"]), str(body["d"]), float(body["e"]))
+        got = Claims(
+            str(body["r"]), int(body["a"]), str(body["w"]), str(body["p"]), str(body["d"]),
+            float(body["e"]),
+        )  # fmt: skip
     except (binascii.Error, ValueError, KeyError, TypeError):
         raise PlacementTokenError("malformed placement token") from None
     if got.expires_unix_s <= now_unix_s:
         raise PlacementTokenError(
             f"placement token expired {now_unix_s - got.expires_unix_s:.0f}s ago"
         )
-    if got.request_id != expected.request_id:
-        raise PlacementTokenError(
-            f"placement token is for request {got.request_id!r}, not {expected.request_id!r}"
-        )
-    if got.decode_worker_id != expected.decode_worker_id:
-        raise PlacementTokenError(
-            f"placement token is for decode worker {got.decode_worker_id!r}, "
-            f"not {expected.decode_worker_id!r}"
-        )
-    if not hmac.compare_digest(got.region_digest, expected.region_digest):
+    for what, mine, theirs in (
+        ("request", got.request_id, expected.request_id),
+        ("attempt", got.attempt, expected.attempt),
+        ("decode worker", got.decode_worker_id, expected.decode_worker_id),
+        ("prefill worker", got.prefill_worker_id, expected.prefill_worker_id),
+    ):
+        if mine != theirs:
+            raise PlacementTokenError(f"placement token is for {what} {mine!r}, not {theirs!r}")
+    if got.region_digest != expected.region_digest:
         raise PlacementTokenError(
             "placement token is for another KV region than the destination given"
         )
@@ -119,17 +197,21 @@ def verify(key: bytes, token: str, expected: Claims, now_unix_s: float) -> Claim
 
 
 def verify_write(
-    key: bytes,
+    keys: Iterable[bytes],
     token: str,
     *,
     request_id: str,
+    attempt: int,
     decode_worker_id: str,
+    prefill_worker_id: str,
     transport: str,
     address: str,
     region_id: str,
     now_unix_s: float,
 ) -> Claims:
-    """``verify`` for a write of ``request_id``'s KV into the region (``transport``,
-    ``address``, ``region_id``) of ``decode_worker_id``: what a prefill worker checks."""
+    """``verify`` for prefill worker ``prefill_worker_id`` writing attempt ``attempt`` of
+    ``request_id``'s KV into the region (``transport``, ``address``, ``region_id``) of
+    ``decode_worker_id``: what a prefill worker checks."""
     digest = region_digest(transport, address, region_id)
-    return verify(key, token, Claims(request_id, decode_worker_id, digest, 0.0), now_unix_s)
+    expected = Claims(request_id, attempt, decode_worker_id, prefill_worker_id, digest, 0.0)
+    return verify(keys, token, expected, now_unix_s)

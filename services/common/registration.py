@@ -25,6 +25,7 @@ import structlog
 from engine.cache_events import CacheEventLog
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common import cluster_auth
+from services.common.placement_token import VerifyKeys
 from services.common.reconnect import SCHEDULER_CHANNEL_OPTIONS
 
 log = structlog.get_logger(__name__)
@@ -44,10 +45,13 @@ class Registrar:
         cache: CacheEventLog | None = None,
         event_interval_s: float = EVENT_INTERVAL_S,
         stored: Callable[[], list[int]] | None = None,
+        verify_keys: VerifyKeys | None = None,
     ) -> None:
         """``stored()``: the blocks confirmed in the worker's KV store since the last call
-        (each heartbeat carries them)."""
+        (each heartbeat carries them). ``verify_keys``: where the scheduler's placement
+        public key goes, from every reply (a prefill worker checks tokens against them)."""
         self.info = info
+        self.verify_keys = verify_keys if verify_keys is not None else VerifyKeys()
         self._load = load
         self._cache = cache
         self._stored = stored
@@ -100,6 +104,7 @@ class Registrar:
                 )
                 if lease.heartbeat_interval_ms:
                     self.interval_s = lease.heartbeat_interval_ms / 1000
+                self.verify_keys.add(lease.placement_verify_key)
                 self._registered = True
                 self._snapshot_due = True
                 self._seq = 0  # a new registration starts a new heartbeat sequence
@@ -124,6 +129,7 @@ class Registrar:
             )
             self._seq += 1
             self._snapshot_due = reply.resync_cache
+            self.verify_keys.add(reply.placement_verify_key)
         except grpc.aio.AioRpcError as e:
             log.warning("heartbeat_failed", code=e.code().name, details=e.details())
             if e.code() == grpc.StatusCode.NOT_FOUND:

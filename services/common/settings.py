@@ -34,6 +34,7 @@ import os
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 C = TypeVar("C")
@@ -352,3 +353,17 @@ def _format(value: Any) -> str:
     if isinstance(value, tuple | list):
         return ",".join(str(v) for v in value)
     return str(value)
+
+
+def read_secret(path: str | None, what: str) -> str | None:
+    """The secret in the file ``path`` (surrounding whitespace stripped; None: no path);
+    ``ValueError`` naming ``what`` when the file cannot be read or holds nothing."""
+    if not path:
+        return None
+    try:
+        text = Path(path).read_text().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the {what} {path}: {e.strerror}") from None
+    if not text:
+        raise ValueError(f"the {what} {path} is empty")
+    return text

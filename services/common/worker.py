@@ -25,7 +25,7 @@ from pdserve.v1 import common_pb2, scheduler_pb2
 from services.common import metrics, process
 from services.common.engine_args import EngineArgs
 from services.common.kv_store import StoreLink
-from services.common.placement_token import region_digest
+from services.common.placement_token import VerifyKeys, region_digest
 from services.common.registration import Registrar
 from services.common.tuning import Tuning
 from services.common.worker_args import WorkerArgs
@@ -190,9 +190,11 @@ async def serve_worker(
     kv_region: MemoryRegionHandle | None = None,
     data_plane_healthy: Callable[[], bool] = lambda: True,
     store: StoreLink | None = None,
+    verify_keys: VerifyKeys | None = None,
 ) -> None:
     """Run until SIGTERM; then stop taking work and wait for in-flight requests.
     ``store``: connected in the background once the engine runs, closed on the way out.
+    ``verify_keys``: filled with the scheduler's placement public key as it registers.
     ``data_plane_healthy``: False once peers can no longer write this worker's KV (its
     receiver died): the worker then reports NOT_SERVING, and DRAINING to the scheduler."""
     process.start_metrics(args.metrics_port, args.host)
@@ -218,7 +220,7 @@ async def serve_worker(
         registrar = Registrar(
             args.scheduler, info, lambda: load_snapshot(aengine.stats, role),
             interval_s=args.heartbeat_interval_s, cache=aengine.engine.cache_events,
-            stored=store.confirmed if store is not None else None,
+            stored=store.confirmed if store is not None else None, verify_keys=verify_keys,
         )  # fmt: skip
         background.append(registrar.run())
 

@@ -194,6 +194,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 deadline_ms=int(self.prefill_deadline_s * 1000),
                 decode_worker_id=self.worker_id,
                 placement_token=request.placement_token,
+                attempt=request.attempt,
                 kv_destination=worker_pb2.KVDestination(
                     region=handle_to_proto(region),
                     block_ids=reservation.block_ids,

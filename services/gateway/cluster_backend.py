@@ -268,6 +268,7 @@ class ClusterBackend:
                 prefill_worker_id=placement.prefill.worker_id if prefill_addr else "",
                 resume_token_ids=received,
                 placement_token=placement.placement_token,
+                attempt=attempt,
             ),
             timeout=self.generate_timeout_s,
         )

@@ -20,7 +20,8 @@ async def _main(cfg: PrefillConfig) -> None:
     from pdserve.v1 import worker_pb2_grpc
     from services.common import cluster_auth
     from services.common.kv_store import StoreLink
-    from services.common.worker import build_engine, serve_worker
+    from services.common.placement_token import VerifyKeys
+    from services.common.worker import build_engine, serve_worker, worker_id
     from services.prefill.server import PrefillServicer
     from transfer.registry import get_transport
 
@@ -36,14 +37,17 @@ async def _main(cfg: PrefillConfig) -> None:
         advertise_host=cfg.worker.advertise_host, auth=cluster_auth.installed(),
     )  # fmt: skip
     store = StoreLink(cfg.store, aengine, cfg.worker.reachable_host, "prefill")
+    # The scheduler's public keys, as this worker registers (--insecure-cluster: unchecked).
+    verify_keys = VerifyKeys() if cluster_auth.installed().token is not None else None
     servicer = PrefillServicer(
-        aengine, transports, placement_key=cluster_auth.installed().placement_key, store=store
-    )
+        aengine, transports, worker_id=worker_id(cfg.worker, "prefill", server),
+        verify_keys=verify_keys, store=store,
+    )  # fmt: skip
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server.server)
     try:
         await serve_worker(
             cfg.worker, "prefill", server, aengine, list(cfg.transports),
-            lambda: servicer.inflight, store=store,
+            lambda: servicer.inflight, store=store, verify_keys=verify_keys,
         )  # fmt: skip
     finally:
         for t in transports.values():

@@ -38,7 +38,7 @@ from services.common import metrics
 from services.common.convert import handle_from_proto, sampling_from_proto
 from services.common.grpc_errors import KV_FENCED, abort_with
 from services.common.kv_store import StoreLink
-from services.common.placement_token import PlacementTokenError, verify_write
+from services.common.placement_token import PlacementTokenError, VerifyKeys, verify_write
 from services.prefill.kv_sender import ROLE, KVDestination, KVSender, SendFailed
 from transfer.base import Transport
 from transfer.errors import TransferError
@@ -55,14 +55,18 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         aengine: AsyncEngine,
         transports: dict[str, Transport],
         *,
-        placement_key: bytes | None = None,
+        worker_id: str,
+        verify_keys: VerifyKeys | None,
         store: StoreLink | None = None,
     ) -> None:
-        """``placement_key``: with it, a destination is written only under a valid placement
-        token (``services.common.placement_token``); None: any destination (open cluster).
+        """A destination is written only under a placement token signed by one of
+        ``verify_keys`` (the scheduler's, filled as this worker registers) for this worker,
+        ``worker_id`` (``services.common.placement_token``); None: any destination (an
+        ``--insecure-cluster``, where nothing internal is checked).
         ``store``: the KV store a prompt's prefix is loaded from before it is computed."""
         self.aengine = aengine
-        self.placement_key = placement_key
+        self.worker_id = worker_id
+        self.verify_keys = verify_keys
         self.sender = KVSender(aengine, transports, store)
         self.inflight = 0
         metrics.QUEUE_TIME.labels(ROLE)  # exported from the start, as the series below
@@ -104,13 +108,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         except (InvalidRequestError, TransferError) as e:
             await _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-        if self.placement_key is not None:
+        if self.verify_keys is not None:
             handle = dest.handle
             try:
                 verify_write(
-                    self.placement_key, request.placement_token, request_id=rid,
-                    decode_worker_id=request.decode_worker_id, transport=handle.transport,
-                    address=handle.address, region_id=handle.region_id, now_unix_s=time.time(),
+                    self.verify_keys.keys(), request.placement_token, request_id=rid,
+                    attempt=request.attempt, decode_worker_id=request.decode_worker_id,
+                    prefill_worker_id=self.worker_id, transport=handle.transport,
+                    address=handle.address, region_id=handle.region_id,
+                    now_unix_s=time.time(),
                 )  # fmt: skip
             except PlacementTokenError as e:
                 log.warning("kv_destination_refused", reason=str(e))

@@ -15,10 +15,16 @@ from services.common import process
 from services.scheduler.config import SchedulerConfig, load_config
 
 
-async def _main(config: SchedulerConfig) -> None:
+async def _main(config: SchedulerConfig) -> int | None:
+    import structlog
+
     from services.scheduler.server import SchedulerServer
 
-    server = SchedulerServer(config)
+    try:
+        server = SchedulerServer(config)
+    except ValueError as e:  # a key or password file that cannot be used
+        structlog.get_logger(__name__).error("scheduler_unusable_config", error=str(e))
+        return 2
     await server.start()
     try:
         await process.serve(

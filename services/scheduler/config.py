@@ -29,6 +29,17 @@ class SchedulerConfig:
     redis_url: str = setting(
         "redis://127.0.0.1:6379/0", "Redis URL; empty: run without Redis (no warm restart)"
     )
+    redis_username: str = setting(
+        "", "Redis ACL user the scheduler logs in as (empty: Redis's default user)"
+    )
+    redis_password_file: str | None = setting(
+        None,
+        "file holding the Redis password (or the password itself in "
+        "PDSERVE_SCHEDULER_REDIS_PASSWORD); neither: Redis is used without a password, "
+        "and anyone who can reach it can rewrite the scheduler's records",
+        metavar="PATH",
+    )
+    redis_password: str | None = setting(None, "the Redis password itself", secret=True)
     redis_key_prefix: str = setting("pdserve", "prefix of every Redis key the scheduler owns")
     redis_timeout_s: float = setting(2.0, "deadline of each Redis call")
     redis_probe_s: float = setting(
@@ -71,11 +82,22 @@ class SchedulerConfig:
     placement_token_ttl_s: float = setting(
         600.0, "how long a placement token lets a prefill worker write into the decode worker's KV"
     )
+    placement_signing_key_file: str | None = setting(
+        None,
+        "PEM Ed25519 private key placement tokens are signed with (openssl genpkey -algorithm "
+        "ed25519); none: a fresh key per start (workers learn the public key as they register)",
+        metavar="PATH",
+    )
     log_level: str = setting("info", "log level", parse=log_level, choices=LOG_LEVELS)
     cluster: ClusterAuthArgs = field(default_factory=ClusterAuthArgs)
     fault_args: FaultArgs = field(default_factory=FaultArgs)
 
     def __post_init__(self) -> None:
+        if self.redis_password_file and self.redis_password:
+            raise ValueError(
+                "give the Redis password one way: --redis-password-file or "
+                "PDSERVE_SCHEDULER_REDIS_PASSWORD"
+            )
         positive = (
             "heartbeat_ttl_s",
             "heartbeats_per_ttl",

@@ -31,11 +31,16 @@ UNREACHABLE = (aioredis.ConnectionError, aioredis.TimeoutError, OSError, Timeout
 """Errors that mean Redis cannot be reached now (as opposed to a refused command)."""
 
 
-def connect(url: str, timeout_s: float) -> aioredis.Redis:
-    """A client for ``url``: ``timeout_s`` bounds each connect and each reply; a call that
-    fails to reach Redis is tried once more at once, then raises."""
+def connect(
+    url: str, timeout_s: float, *, username: str | None = None, password: str | None = None
+) -> aioredis.Redis:
+    """A client for ``url`` that logs in as ``username`` with ``password`` (when given:
+    they win over any in the URL); ``timeout_s`` bounds each connect and each reply; a call
+    that fails to reach Redis is tried once more at once, then raises."""
+    creds = {k: v for k, v in (("username", username), ("password", password)) if v}
     return aioredis.from_url(
         url,
+        **creds,  # type: ignore[arg-type]
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         retry=Retry(NoBackoff(), 1),

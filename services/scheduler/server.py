@@ -35,9 +35,11 @@ from typing import NoReturn
 import grpc
 import redis.asyncio as aioredis
 import structlog
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common import cluster_auth, placement_token, process
+from services.common.settings import read_secret
 from services.scheduler import redis_link
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.metrics import SchedulerMetrics
@@ -259,14 +261,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         state: SchedulerState,
         metrics: SchedulerMetrics,
         *,
-        placement_key: bytes | None = None,
+        signing_key: Ed25519PrivateKey | None = None,
         placement_token_ttl_s: float = placement_token.DEFAULT_TTL_S,
     ) -> None:
-        """``placement_key``: sign a placement token into every placement with a prefill
-        worker (None: the cluster has no token, placements carry none)."""
+        """``signing_key``: signs a placement token into every placement with a prefill
+        worker; its public key goes to every worker in the registration and heartbeat
+        replies (default: a fresh key)."""
         self._state = state
         self._metrics = metrics
-        self._placement_key = placement_key
+        self._signing_key = signing_key or placement_token.new_signing_key()
+        self.verify_key = placement_token.verify_key_bytes(self._signing_key)
         self._placement_token_ttl_s = placement_token_ttl_s
         self.draining = False
         """Set on shutdown: Place and RegisterWorker answer UNAVAILABLE."""
@@ -320,14 +324,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             mode=result.mode.value,
         )
         pb = placement_to_pb(result)
-        if self._placement_key is not None and result.prefill is not None:
+        if result.prefill is not None:
             claims = placement_token.Claims(
                 request_id=result.request_id,
+                attempt=request.attempt,
                 decode_worker_id=result.decode.worker_id,
+                prefill_worker_id=result.prefill.worker_id,
                 region_digest=result.decode.kv_region_digest,
                 expires_unix_s=time.time() + self._placement_token_ttl_s,
             )
-            pb.placement_token = placement_token.mint(self._placement_key, claims)
+            pb.placement_token = placement_token.mint(self._signing_key, claims)
         return pb
 
     async def RegisterWorker(
@@ -339,7 +345,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except Exception as exc:
             await self._fail(context, exc, self._retry_hint_ms())
         return scheduler_pb2.RegisterWorkerReply(
-            heartbeat_interval_ms=lease.heartbeat_interval_ms, lease_ttl_ms=lease.lease_ttl_ms
+            heartbeat_interval_ms=lease.heartbeat_interval_ms,
+            lease_ttl_ms=lease.lease_ttl_ms,
+            placement_verify_key=self.verify_key,
         )
 
     async def Heartbeat(
@@ -350,6 +358,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except Exception as exc:
             await self._fail(context, exc, self._retry_hint_ms())
         return scheduler_pb2.HeartbeatReply(
+            placement_verify_key=self.verify_key,
             resync_cache=answer.resync_cache,
             heartbeat_interval_ms=answer.heartbeat_interval_ms,
         )
@@ -381,13 +390,32 @@ class SchedulerServer:
     then ``await close()`` once ``grpc`` stopped."""
 
     def __init__(self, config: SchedulerConfig) -> None:
+        """``ValueError`` when a key or password file named in ``config`` cannot be used."""
         self.config = config
         self.metrics = SchedulerMetrics()
         self._redis: aioredis.Redis | None = None
         self._store: RedisStore | None = None
         self._watcher: asyncio.Task[None] | None = None
+        signing_key = None
+        if config.placement_signing_key_file:
+            signing_key = placement_token.load_signing_key(config.placement_signing_key_file)
         if config.redis_url:
-            self._redis = redis_link.connect(config.redis_url, config.redis_timeout_s)
+            password = read_secret(config.redis_password_file, "Redis password file")
+            if password is None:
+                password = config.redis_password
+            if password is None:
+                log.warning(
+                    "redis_unauthenticated",
+                    detail="no Redis password (--redis-password-file / "
+                    "PDSERVE_SCHEDULER_REDIS_PASSWORD): whoever reaches Redis can rewrite "
+                    "the scheduler's records",
+                )
+            self._redis = redis_link.connect(
+                config.redis_url,
+                config.redis_timeout_s,
+                username=config.redis_username or None,
+                password=password,
+            )
             self._store = RedisStore(
                 self._redis,
                 lease_ttl_ms=int(config.heartbeat_ttl_s * 1000),
@@ -403,7 +431,7 @@ class SchedulerServer:
         self.servicer = SchedulerServicer(
             self.state,
             self.metrics,
-            placement_key=auth.placement_key,
+            signing_key=signing_key,
             placement_token_ttl_s=config.placement_token_ttl_s,
         )
         self.grpc = process.GrpcServer(

@@ -124,6 +124,9 @@ class _Worker:
     last_sequence: int | None = None
     needs_resync: bool = False
     reservations: dict[str, tuple[float, Reservation]] = field(default_factory=dict)
+    confirmed: bool = True
+    """False for a worker restored from Redis: a hint, not a peer, until it registers
+    again (over an authenticated call); placement never sees it."""
 
     def view(self) -> WorkerView:
         blocks = seqs = tokens = 0
@@ -203,11 +206,11 @@ class SchedulerState:
     def restore(self, workers: Iterable[StoredWorker], prefix_index: dict[int, set[str]]) -> None:
         """Seed the registry and prefix index (scheduler restart). Call before ``start``.
 
-        A restored worker gets a whole lease from now: it could not heartbeat while no
-        scheduler ran, so that time does not count against it (one that died meanwhile is
-        dropped one lease after this start, as any worker one lease after its last
-        heartbeat). It is asked for a cache snapshot on its next heartbeat, since deltas
-        sent while no scheduler ran are lost.
+        Redis is not trusted with who the peers are: whoever can write to it could name an
+        address of theirs, and placing a request there would hand it a placement token and
+        the gateway's cluster token. So a restored worker is a hint: nothing is placed on it
+        and its heartbeats answer NOT_FOUND until it registers again (which it does at
+        once); one that does not is dropped one lease after this start.
         """
         if self._running:
             raise RuntimeError("restore() must run before start()")
@@ -220,6 +223,7 @@ class SchedulerState:
                 last_seen=now,
                 registered_unix_ns=stored.registered_unix_ns,
                 needs_resync=True,
+                confirmed=False,
             )
         for block_hash, holders in prefix_index.items():
             known = {w for w in holders if w in self._workers}
@@ -368,7 +372,7 @@ class SchedulerState:
         if copy_index:
             index = {h: frozenset(ws) for h, ws in self._index.items()}
         return ClusterSnapshot(
-            workers=tuple(w.view() for w in self._workers.values()),
+            workers=tuple(w.view() for w in self._workers.values() if w.confirmed),
             prefix_index=index,
             now=self._clock(),
             lease_ttl_s=self._config.lease_ttl_s,
@@ -407,6 +411,8 @@ class SchedulerState:
             if worker is not None:
                 self._lapse(report.worker_id)
             raise UnknownWorker(f"unknown worker_id {report.worker_id!r}")
+        if not worker.confirmed:
+            raise UnknownWorker(f"worker {report.worker_id!r} must register again")
         worker.last_seen = now
         worker.state = report.state
         worker.load = report.load

@@ -294,6 +294,20 @@ def _check_scheduler(
         str(v).endswith(":/data") for v in services.get(redis_name, {}).get("volumes") or []
     ):
         problems.append(f"{redis_name}: the append-only file must live in a volume at /data")
+    # Redis is a trust root: only an ACL user with a password logs in, and its memory is
+    # capped with an eviction policy (an OOM kill that AOF replay repeats otherwise).
+    redis_svc = services.get(redis_name, {})
+    if "--aclfile" not in redis_argv:
+        problems.append(f"{redis_name}: no --aclfile: anyone on the network logs in")
+    if "--maxmemory" not in redis_argv or "--maxmemory-policy" not in redis_argv:
+        problems.append(f"{redis_name}: memory is not capped (--maxmemory, -policy)")
+    if not sched.redis_username or not sched.redis_password_file:
+        problems.append(f"{name}: logs in to Redis without --redis-username/-password-file")
+    secret = str(sched.redis_password_file or "").removeprefix("/run/secrets/")
+    if secret not in (redis_svc.get("secrets") or []) or secret not in (
+        services[name].get("secrets") or []
+    ):
+        problems.append(f"{name} and {redis_name} must share the Redis password secret")
     if sched.grpc_host not in ALL_INTERFACES:
         problems.append(f"{name}: binds {sched.grpc_host}; other containers cannot reach it")
     url = urlparse(sched.redis_url)
@@ -566,6 +580,13 @@ MUTATIONS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "redis protected": (
         _put("redis", "command", ["redis-server", "--dir", "/data"]), "protected mode"),
     "redis without volume": (_put("redis", "volumes", []), "volume at /data"),
+    "redis without a password": (
+        lambda c: c["services"]["redis"]["command"].remove("--aclfile"), "no --aclfile"),
+    "redis memory uncapped": (
+        lambda c: c["services"]["redis"]["command"].remove("--maxmemory"), "not capped"),
+    "scheduler without the Redis password": (
+        _m("scheduler", "--redis-password-file", None), "without --redis-username"),
+    "redis without the secret": (_put("redis", "secrets", []), "share the Redis password"),
     "prometheus elsewhere": (
         _put("prometheus", "volumes", ["../deploy/x.yml:/etc/pdserve/prometheus.yml:ro"]),
         "--config.file"),

@@ -201,12 +201,17 @@ def _check_token(svc: Service, stack: Stack) -> list[str]:
     path = svc.cfg.cluster.cluster_token_file
     if not path:
         return [f"{svc.name}: no --cluster-token-file; internal calls would be open"]
+    return _check_secret_file(svc, path, "--cluster-token-file", stack)
+
+
+def _check_secret_file(svc: Service, path: str, flag: str, stack: Stack) -> list[str]:
+    """The file ``flag`` names must be a key of a Secret mounted into the container."""
     directory, _, key = path.rpartition("/")
     mounts = {m["mountPath"].rstrip("/"): m["name"] for m in svc.container.get("volumeMounts", [])}
     volumes = {v["name"]: v for v in pod_spec(svc.workload).get("volumes") or []}
     secret = (volumes.get(mounts.get(directory, "")) or {}).get("secret")
     if secret is None:
-        return [f"{svc.name}: --cluster-token-file {path} is not in a mounted Secret"]
+        return [f"{svc.name}: {flag} {path} is not in a mounted Secret"]
     if secret.get("items"):
         return [f"{svc.name}: Secret items remap keys; the check expects the keys as files"]
     if stack.secret_value(secret["secretName"], key) is None:
@@ -277,6 +282,24 @@ def _check_redis(w: dict[str, Any], stack: Stack) -> list[str]:
         problems.append(f"{where}: Redis must be a one-replica StatefulSet")
     if "--appendonly" not in args or args[args.index("--appendonly") + 1 :][:1] != ["yes"]:
         problems.append(f"{where}: without --appendonly yes a restart loses the request records")
+    # A trust root of the scheduler's: a password, and memory capped below the limit so
+    # Redis evicts rather than being OOM-killed into replaying the same AOF.
+    if "--aclfile" not in args:
+        problems.append(f"{where}: no --aclfile: anyone who reaches Redis logs in")
+    if "--maxmemory" not in args or "--maxmemory-policy" not in args:
+        problems.append(f"{where}: memory is not capped (--maxmemory, --maxmemory-policy)")
+    else:
+        cap = quantity(args[args.index("--maxmemory") + 1].removesuffix("b").upper() + "i")
+        limit = quantity(((the_container(w).get("resources") or {}).get("limits") or {}).get(
+            "memory", "0"))  # fmt: skip
+        if not 0 < cap < limit:
+            problems.append(f"{where}: --maxmemory must be under the memory limit")
+    policies = [
+        p for p in stack.of("NetworkPolicy")
+        if selects(p["spec"].get("podSelector", {}).get("matchLabels"), pod_labels(w))
+    ]  # fmt: skip
+    if not policies:
+        problems.append(f"{where}: no NetworkPolicy limits who reaches Redis")
     claims = {t["metadata"]["name"] for t in w["spec"].get("volumeClaimTemplates") or []}
     mounts = {m["mountPath"]: m["name"] for m in the_container(w).get("volumeMounts") or []}
     if mounts.get(REDIS_DATA) not in claims:
@@ -348,6 +371,12 @@ def _check_scheduler(sched: Service, redis: dict[str, Any], stack: Stack) -> lis
                 target = p.get("targetPort", p["port"])
                 if redis_ports.get(target, target) == redis_port:
                     reach.add((s["metadata"]["name"], p["port"]))
+    if not sched.cfg.redis_username or not sched.cfg.redis_password_file:
+        problems.append(f"{sched.name}: logs in to Redis without --redis-username/-password-file")
+    else:
+        problems += _check_secret_file(
+            sched, sched.cfg.redis_password_file, "--redis-password-file", stack
+        )
     url = urlparse(sched.cfg.redis_url)
     if url.scheme != "redis" or (url.hostname, url.port or 6379) not in reach:
         problems.append(

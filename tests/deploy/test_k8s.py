@@ -259,6 +259,22 @@ STACK_MUTATIONS: dict[str, tuple[Callable[[Objects], None], str]] = {
         _set("StatefulSet", "redis", "spec.volumeClaimTemplates", None), "volumeClaimTemplate"),
     "redis governed by a ClusterIP Service": (
         _set("Service", "redis", "spec.clusterIP", None), "headless"),
+    "redis without a password": (
+        _set("StatefulSet", "redis", f"{C0}.args", ["redis-server", "--appendonly", "yes",
+             "--maxmemory", "768mb", "--maxmemory-policy", "allkeys-lru"]), "no --aclfile"),
+    "redis memory uncapped": (
+        _set("StatefulSet", "redis", f"{C0}.args", ["redis-server", "--appendonly", "yes",
+             "--aclfile", "/tmp/users.acl"]), "memory is not capped"),
+    "redis capped above its limit": (
+        _set("StatefulSet", "redis", f"{C0}.resources.limits.memory", "512Mi"),
+        "under the memory limit"),
+    "redis open to every pod": (
+        lambda o: o.remove(_find(o, "NetworkPolicy", "redis")), "no NetworkPolicy"),
+    "scheduler without the Redis password": (
+        _arg("scheduler", "--redis-password-file", None), "without --redis-username"),
+    "the Redis password not mounted": (
+        _arg("scheduler", "--redis-password-file", "/etc/redis/password"),
+        "--redis-password-file /etc/redis/password is not in a mounted Secret"),
     "scheduler rolls": (
         _set("Deployment", "scheduler", "spec.strategy.type", "RollingUpdate"), "Recreate"),
     "two schedulers": (_set("Deployment", "scheduler", "spec.replicas", 2), "exactly 1 replica"),

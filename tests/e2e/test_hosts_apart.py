@@ -31,7 +31,7 @@ from engine.sampling_params import SamplingParams
 from kernels.layer_ops import layer_ops_available
 from kernels.paged_attention import cpu_kernel_available
 from kernels.quant_linear import kernel_available
-from services.launcher import Proc, Stack, redis_proc
+from services.launcher import REDIS_USER, Proc, Stack, redis_password_file, redis_proc
 from tests.netns import Host, NamespacesUnavailable, Network
 from tests.scrape import metric_in
 
@@ -229,6 +229,8 @@ def _start(c: Cluster) -> None:
     c.stack.start(Proc("scheduler", ctl.argv(_py(
         "services.scheduler", "--grpc-host", "0.0.0.0", "--grpc-port", str(SCHEDULER_PORT),
         "--metrics-port", "9091", "--redis-url", f"redis://127.0.0.1:{REDIS_PORT}/0",
+        "--redis-username", REDIS_USER,
+        "--redis-password-file", str(redis_password_file(c.stack.log_dir)),
         "--heartbeat-ttl-s", str(LEASE_S), "--local-prefill-max-tokens", "0",
         # round-robin: a new request after a migration goes to the other decode worker
         "--routing", "round-robin",

@@ -102,9 +102,10 @@ async def test_a_restarted_scheduler_routes_its_first_request_to_the_prefix(
     Desks 1 and 2 sit on different prefill workers (warmed at once, the second goes to the
     idle worker); a scheduler without the index would send both to the same one.
 
-    The requests wait until the new scheduler knows all three workers: restored from Redis
-    at once when it came back within their lease, else as they register again (one
-    heartbeat). Before that, a prompt whose worker is not back yet goes to the other one."""
+    The requests wait until the new scheduler knows all three workers: as they register
+    again (one heartbeat: workers restored from Redis are hints until then) and send their
+    cache snapshots. Before that, a prompt whose worker is not back yet goes to the other
+    one."""
     st, endpoints = stack
     client = client_of(endpoints)
     model = (await client.models.list()).data[0].id

@@ -51,10 +51,19 @@ class ServiceProcess:
 
 
 def start_service(
-    module: str, *args: str, ready_timeout: float = 120.0, env: dict[str, str] | None = None
+    module: str,
+    *args: str,
+    ready_timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    insecure: bool = False,
 ) -> ServiceProcess:
     """Run ``python -m module args`` (``env``: more environment) and wait for its
-    ``READY <role> <address>`` line."""
+    ``READY <role> <address>`` line. The service shares the test session's cluster token
+    (tests/conftest.py); ``insecure``: it runs without one (``--insecure-cluster``: no
+    internal call or placement is checked), for workers driven without a scheduler."""
+    env = dict(env or {})
+    if insecure:
+        env["PDSERVE_INSECURE_CLUSTER"] = "true"
     stack = Stack(log_dir=Path(tempfile.mkdtemp(prefix="pdserve-test-")), env=env)
     handle = stack.start(Proc(module.rsplit(".", 1)[-1], py(module, *args)))
     try:

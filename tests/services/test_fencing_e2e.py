@@ -13,17 +13,25 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common import cluster_auth
 from services.launcher import free_port
 from tests.scrape import metric
-from tests.services.procs import ServiceProcess, start_service
+from tests.services.procs import ServiceProcess
+from tests.services.procs import start_service as _start_service
 
 STALL_MS = 2000
 TOKENS = 40
+
+
+def start_service(module: str, *args: str, **kw) -> ServiceProcess:
+    """The workers here run without a scheduler, so nothing would sign placement tokens:
+    they run as an insecure cluster (placement and the token are tested with a scheduler
+    in test_cluster_auth_e2e.py)."""
+    return _start_service(module, *args, insecure=True, **kw)
 
 
 @pytest.fixture(scope="module", params=["shm", "tcp", "mooncake"])
@@ -72,7 +80,7 @@ def _request(rid: str, ids: list[int], prefill: str = "", max_tokens: int = TOKE
 
 
 async def _generate(address: str, req) -> list[int]:
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with cluster_auth.channel(address) as ch:
         toks: list[int] = []
         async for ev in worker_pb2_grpc.DecodeWorkerStub(ch).Generate(req, timeout=120):
             toks.extend(ev.token_ids)
@@ -102,7 +110,7 @@ async def test_a_late_write_never_reaches_a_reallocated_block(workers, prompts, 
     procs, ports = workers
     dec, pre = procs["decode"], procs["prefill"]
     before = _metric(ports["decode"], "pdserve:kv_fences_total", 'how="confirmed"')
-    async with grpc.aio.insecure_channel(dec.address) as ch:
+    async with cluster_auth.channel(dec.address) as ch:
         call = worker_pb2_grpc.DecodeWorkerStub(ch).Generate(
             _request("late-a", prompts["a"], pre.address), timeout=60
         )
@@ -132,7 +140,7 @@ async def test_cancel_at_every_point_frees_every_block(
         await asyncio.sleep(0.2)
     ids = long_ids if point == "computing" else prompts["a"]
     wait = {"queued": 0.1, "computing": 0.3, "transferring": 0.8}.get(point)
-    async with grpc.aio.insecure_channel(dec.address) as ch:
+    async with cluster_auth.channel(dec.address) as ch:
         call = worker_pb2_grpc.DecodeWorkerStub(ch).Generate(
             _request(f"cancel-{point}", ids, pre.address, max_tokens=200), timeout=60
         )

@@ -17,11 +17,19 @@ import pytest
 
 from kvstore.master_process import MooncakeMaster
 from tests.scrape import metric
-from tests.services.procs import ServiceProcess, start_service
+from tests.services.procs import ServiceProcess
+from tests.services.procs import start_service as _start_service
 from tests.services.test_workers_e2e import _free_port, _generate, _request
 
 KV_MIB = "48"
 BS = 16
+
+
+def start_service(module: str, *args: str, **kw) -> ServiceProcess:
+    """The workers here run without a scheduler, so nothing would sign placement tokens:
+    they run as an insecure cluster (placement and the token are tested with a scheduler
+    in test_cluster_auth_e2e.py)."""
+    return _start_service(module, *args, insecure=True, **kw)
 
 
 @pytest.fixture(scope="module")

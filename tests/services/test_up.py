@@ -124,16 +124,28 @@ def test_pdserve_up_restarts_every_process_redis_and_the_scheduler_too(tmp_path)
 
 
 def test_pdserve_up_redis_keeps_what_it_was_told_across_a_kill_9(tmp_path) -> None:
+    """... and only to its ACL user: no password, no access (a password file of 0600);
+    memory is capped with an eviction policy."""
     import redis
 
-    from services.launcher import Stack, free_port, redis_proc
+    from services.launcher import REDIS_USER, Stack, free_port, redis_password_file, redis_proc
 
     port = free_port()
     stack = Stack(log_dir=tmp_path)
     proc = stack.start(redis_proc(port, tmp_path), ready_line="Ready to accept connections")
     try:
         stack.wait_ready([proc], timeout=10)
-        client = redis.Redis(port=port, socket_timeout=2)
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, socket_timeout=2).ping()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, socket_timeout=2, password="guess").ping()
+        secret = redis_password_file(tmp_path)
+        assert secret.stat().st_mode & 0o077 == 0
+        client = redis.Redis(
+            port=port, socket_timeout=2, username=REDIS_USER, password=secret.read_text()
+        )
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "allkeys-lru"}
+        assert int(client.config_get("maxmemory")["maxmemory"]) > 0
         client.hset("pdserve:request:r1", mapping={"status": "placed"})
         assert proc.popen is not None
         proc.popen.kill()

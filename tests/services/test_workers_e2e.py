@@ -22,10 +22,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.kv_cache import KVCacheSpec
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common import cluster_auth
 from services.common.convert import handle_to_proto
 from services.common.grpc_errors import kv_fenced
 from tests.scrape import metric
-from tests.services.procs import ServiceProcess, start_service
+from tests.services.procs import ServiceProcess
+from tests.services.procs import start_service as _start_service
 from transfer.handle import KVLayout, MemoryRegionHandle
 from transfer.registry import get_transport
 
@@ -37,6 +39,13 @@ BLOCK_ALL_LAYERS = BLOCK_BYTES * 2 * 30  # K and V of every layer: what moving a
 # The decode workers' prefill deadline; with 2 s of grace, the KV lease of a failed prefill.
 PREFILL_DEADLINE_S = 10.0
 KV_MIB = "48"
+
+
+def start_service(module: str, *args: str, **kw) -> ServiceProcess:
+    """The workers here run without a scheduler, so nothing would sign placement tokens:
+    they run as an insecure cluster (placement and the token are tested with a scheduler
+    in test_cluster_auth_e2e.py)."""
+    return _start_service(module, *args, insecure=True, **kw)
 
 
 def _free_port() -> int:
@@ -101,7 +110,7 @@ def _request(
 
 
 async def _generate(address: str, req) -> tuple[list[int], worker_pb2.DecodeEvent]:
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with cluster_auth.channel(address) as ch:
         stub = worker_pb2_grpc.DecodeWorkerStub(ch)
         toks: list[int] = []
         last = None
@@ -196,7 +205,7 @@ async def test_concurrent_streams(cluster, prompts, expected) -> None:
 async def test_cancel_frees_blocks_on_both_workers(cluster, prompts) -> None:
     procs, ports = cluster
     req = _request("cancel-me", prompts[3], procs["prefill"].address, max_tokens=500)
-    async with grpc.aio.insecure_channel(procs["shm"].address) as ch:
+    async with cluster_auth.channel(procs["shm"].address) as ch:
         call = worker_pb2_grpc.DecodeWorkerStub(ch).Generate(req, timeout=120)
         n = 0
         async for _ in call:
@@ -216,7 +225,7 @@ async def test_cancel_during_the_prefill_frees_blocks_on_both_workers(
     procs, ports = cluster
     ids = default_tokenizer.encode("Tell me everything about the sea. " * 120)  # ~1,000 tokens
     req = _request("cancel-in-prefill", ids, procs["prefill"].address, max_tokens=50)
-    async with grpc.aio.insecure_channel(procs["shm"].address) as ch:
+    async with cluster_auth.channel(procs["shm"].address) as ch:
         call = worker_pb2_grpc.DecodeWorkerStub(ch).Generate(req, timeout=120)
         await asyncio.sleep(0.3)  # the prompt is being computed
         call.cancel()
@@ -242,7 +251,7 @@ async def test_a_short_prompt_is_answered_without_waiting_for_a_long_ones_prefil
 
     async def first_token(rid: str, ids: list[int]) -> None:
         req = _request(rid, ids, procs["prefill"].address, max_tokens=2)
-        async with grpc.aio.insecure_channel(procs["shm"].address) as ch:
+        async with cluster_auth.channel(procs["shm"].address) as ch:
             async for _ in worker_pb2_grpc.DecodeWorkerStub(ch).Generate(req, timeout=120):
                 firsts.setdefault(rid, loop.time())
 
@@ -321,7 +330,7 @@ async def test_sigterm_drains_in_flight_streams_then_exits(prompts) -> None:
     )
     try:
         req = _request("drain", prompts[0], "", max_tokens=40)
-        async with grpc.aio.insecure_channel(worker.address) as ch:
+        async with cluster_auth.channel(worker.address) as ch:
             toks: list[int] = []
             async for ev in worker_pb2_grpc.DecodeWorkerStub(ch).Generate(req, timeout=120):
                 toks.extend(ev.token_ids)
@@ -428,7 +437,7 @@ def _prefill_request(
 
 async def test_prefill_writes_only_the_blocks_after_num_present_tokens(cluster, region) -> None:
     procs, _ = cluster
-    async with grpc.aio.insecure_channel(procs["prefill"].address) as ch:
+    async with cluster_auth.channel(procs["prefill"].address) as ch:
         stub = worker_pb2_grpc.PrefillWorkerStub(ch)
         # not a block multiple; the whole prompt (the last token is always computed); beyond
         for present in (8, 32, 48):
@@ -562,7 +571,7 @@ async def test_a_decode_kv_port_that_drops_syns_stalls_no_other_request(
                 region=handle_to_proto(unreachable), block_ids=(2, 3)
             ),
         )
-        async with grpc.aio.insecure_channel(procs["prefill"].address) as ch:
+        async with cluster_auth.channel(procs["prefill"].address) as ch:
             stuck = asyncio.ensure_future(
                 worker_pb2_grpc.PrefillWorkerStub(ch).Prefill(bad, timeout=30)
             )

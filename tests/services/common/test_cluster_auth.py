@@ -88,7 +88,11 @@ def test_the_token_comes_from_a_file_or_the_shared_variable(tmp_path) -> None:
         assert cluster_auth.load(args).token == TOKEN
         args = settings.load(ClusterAuthArgs, service, [], {"PDSERVE_CLUSTER_TOKEN": TOKEN})
         assert cluster_auth.load(args).token == TOKEN
-    assert cluster_auth.load(ClusterAuthArgs()).token is None
+    with pytest.raises(ValueError, match=r"no cluster token.*--insecure-cluster"):
+        cluster_auth.load(ClusterAuthArgs())  # fail closed
+    assert cluster_auth.load(ClusterAuthArgs(insecure_cluster=True)).token is None
+    with pytest.raises(ValueError, match="contradict"):
+        ClusterAuthArgs(insecure_cluster=True, cluster_token=TOKEN)
     assert TOKEN not in repr(cluster_auth.load(ClusterAuthArgs(cluster_token=TOKEN)))
     with pytest.raises(ValueError, match="cannot read the cluster token file"):
         cluster_auth.load(ClusterAuthArgs(cluster_token_file=str(tmp_path / "missing")))
@@ -96,13 +100,6 @@ def test_the_token_comes_from_a_file_or_the_shared_variable(tmp_path) -> None:
         ClusterAuthArgs(cluster_token_file=str(path), cluster_token=TOKEN)
     with pytest.raises(ValueError, match="go together"):
         ClusterAuthArgs(cluster_tls_cert=str(path))
-
-
-def test_the_placement_key_is_derived_from_the_token() -> None:
-    assert ClusterAuth().placement_key is None
-    key = ClusterAuth(token=TOKEN).placement_key
-    assert key is not None and len(key) == 32 and TOKEN.encode() not in key
-    assert key != ClusterAuth(token=TOKEN + "x").placement_key
 
 
 def _pki(tmp_path) -> dict[str, bytes]:

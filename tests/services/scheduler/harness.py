@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 
 from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common import cluster_auth
 from tests.services.scheduler.processes import Process, worker_info
 
 TTL_S = 1.0
@@ -129,7 +130,7 @@ def place_request(request_id: str, hashes: tuple[int, ...] = ()) -> scheduler_pb
 
 @contextlib.asynccontextmanager
 async def open_channel(address: str) -> AsyncIterator[grpc.aio.Channel]:
-    channel = grpc.aio.insecure_channel(address)
+    channel = cluster_auth.channel(address)
     try:
         yield channel
     finally:

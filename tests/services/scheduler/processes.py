@@ -138,6 +138,7 @@ def _worker_main(argv: Sequence[str]) -> int:
     import grpc
 
     from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+    from services.common.cluster_auth import TOKEN_METADATA_KEY
 
     parser = argparse.ArgumentParser()
     parser.add_argument("scheduler")
@@ -150,9 +151,13 @@ def _worker_main(argv: Sequence[str]) -> int:
     role = getattr(common_pb2, f"WORKER_ROLE_{args.role.upper()}")
     info = worker_info(args.worker_id, role, f"127.0.0.1:{40000 + os.getpid() % 20000}")
     load = scheduler_pb2.LoadSnapshot(free_kv_blocks=args.free_kv_blocks, total_kv_blocks=1000)
+    # the token this process inherited from the test session (tests/conftest.py)
+    token = ((TOKEN_METADATA_KEY, os.environ["PDSERVE_CLUSTER_TOKEN"]),)
     with grpc.insecure_channel(args.scheduler) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        lease = stub.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(worker=info), timeout=5)
+        lease = stub.RegisterWorker(
+            scheduler_pb2.RegisterWorkerRequest(worker=info), timeout=5, metadata=token
+        )
         interval_s = lease.heartbeat_interval_ms / 1000
         sequence = 0
         snapshot = True
@@ -167,6 +172,7 @@ def _worker_main(argv: Sequence[str]) -> int:
                     cache_snapshot=snapshot,
                 ),
                 timeout=5,
+                metadata=token,
             )
             if sequence == 0:
                 print(f"READY worker {args.worker_id}", flush=True)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import grpc
+import pytest
 import redis
 
 from engine.cache_events import CacheEventLog
@@ -96,8 +97,8 @@ async def test_events_route_placements_and_redis_carries_them_over_a_restart(
                 await _until(lambda: routed_to("p2", 48), 2, "p2's block never came back")
 
         # The workers fall silent, the scheduler is killed (-9) and a new one starts on the
-        # same port: it rebuilds the index from Redis, so its very first placement goes to
-        # the holder before any worker has sent it anything.
+        # same port: it reads the registry and index from Redis, but Redis is no trust
+        # root, so nothing is placed on a worker until it has registered again.
         for t in tasks.values():
             t.cancel()
         await asyncio.gather(*tasks.values(), return_exceptions=True)
@@ -106,12 +107,12 @@ async def test_events_route_placements_and_redis_carries_them_over_a_restart(
         with running(second):
             async with open_channel(address) as channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)
-                placement = await place()
-                assert placement.prefill.worker_id == "p2", second.log_tail()
-                assert placement.expected_cached_tokens == 48
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await place()
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, second.log_tail()
 
-                # d1 and p1 heartbeat again; p2 stays dead: within its lease its entries
-                # leave the index and Redis.
+                # d1 and p1 register and heartbeat again; p2 stays dead: within its lease
+                # its entries leave the index and Redis.
                 for w in ("d1", "p1"):
                     registrar = Registrar(
                         address, worker_info(w, roles[w]), lambda: load, cache=logs[w]

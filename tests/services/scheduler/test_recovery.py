@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.common import cluster_auth
 from services.common.reconnect import SCHEDULER_CHANNEL_OPTIONS
 from services.common.registration import Registrar
 from tests.redis_server import RedisServer, free_port
@@ -121,7 +122,7 @@ async def test_a_killed_scheduler_restarted_on_its_port_places_again(
     tasks = [asyncio.create_task(r.run()) for r in registrars]
     try:
         with running(first):
-            channel = grpc.aio.insecure_channel(address, options=SCHEDULER_CHANNEL_OPTIONS)
+            channel = cluster_auth.channel(address, options=SCHEDULER_CHANNEL_OPTIONS)
             async with channel:  # the gateway's channel to the scheduler
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)
                 await _place_within(stub, "before", timeout_s=10)

@@ -182,7 +182,7 @@ async def _check_placements_and_kill(
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-async def test_sigterm_drains_and_a_restart_rebuilds_the_registry_from_redis(
+async def test_sigterm_drains_and_a_restart_takes_workers_back_as_they_register(
     redis_server: RedisServer, sync_redis: redis.Redis, prefix: str
 ) -> None:
     ttl_s = 5.0  # long enough that the leases outlive the restart
@@ -223,15 +223,22 @@ async def test_sigterm_drains_and_a_restart_rebuilds_the_registry_from_redis(
         with running(second):
             async with open_channel(second.address) as channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)
-                # No re-registration and no heartbeat yet: the registry and the prefix index
-                # came back from Redis.
+                # The registry came back from Redis, as hints only (Redis is no trust root):
+                # nothing is placed on a worker, and its heartbeats are NOT_FOUND, until it
+                # registers again.
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Place(place_request("r2", HASHES), timeout=2)
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+                for w in (decode, prefill):
+                    w.stub, w.ttl_s = stub, ttl_s
+                    with pytest.raises(grpc.aio.AioRpcError) as unknown:
+                        await w.beat()
+                    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+                    assert "must register again" in (unknown.value.details() or "")
+                    await w.register()
+                    assert not (await w.beat()).resync_cache  # its snapshot: the cache
                 placement = await stub.Place(place_request("r2", HASHES), timeout=2)
                 assert placement.decode.worker_id == "d1"
                 assert placement.prefill.worker_id == "p1"
                 assert placement.expected_cached_tokens == 32
-                # Deltas may have been lost while no scheduler ran: ask for a snapshot.
-                for w in (decode, prefill):
-                    w.stub = stub
-                    assert (await w.beat()).resync_cache
-                    assert not (await w.beat()).resync_cache
             assert second.terminate() == 0, second.log_tail()

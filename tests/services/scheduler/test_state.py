@@ -13,7 +13,6 @@ from services.scheduler.model import (
     HeartbeatReport,
     Outcome,
     Placement,
-    PrefillMode,
     Rejection,
     RejectReason,
     Role,
@@ -260,9 +259,10 @@ async def test_reregistering_replaces_the_record(state: SchedulerState) -> None:
     assert dict(snap.prefix_index) == {}
 
 
-async def test_restore_gives_a_whole_lease_and_asks_for_a_snapshot() -> None:
-    """The time no scheduler ran does not count against a worker's lease: restored workers
-    are placeable for one lease from the start, then dropped unless they heartbeat."""
+async def test_a_restored_worker_is_a_hint_until_it_registers_again() -> None:
+    """Redis is not a trust root: a worker restored from it (its address could be anyone's)
+    gets no placement and its heartbeats answer NOT_FOUND until it registers again; one
+    that never does is dropped a lease after the start."""
     now = [1000.0]
     s = SchedulerState(_config(), clock=lambda: now[0])
     stored = [
@@ -277,20 +277,20 @@ async def test_restore_gives_a_whole_lease_and_asks_for_a_snapshot() -> None:
     s.restore(stored, {1: {"p1", "gone"}, 2: {"gone"}})
     s.start()
     try:
-        placed = await s.place(request("r1", hashes=(1,)))
-        assert isinstance(placed, Placement)
-        assert placed.prefill is not None and placed.expected_cached_tokens == BLOCK
-        assert dict((await s.inspect()).prefix_index) == {1: {"p1"}}
-        assert (await s.heartbeat(_beat("d1", 7))).resync_cache
-        now[0] += TTL_S * 0.9
+        rejection = await s.place(request("r1", hashes=(1,)))
+        assert isinstance(rejection, Rejection), rejection
+        assert rejection.reason is RejectReason.NO_LIVE_WORKER
+        with pytest.raises(UnknownWorker, match="must register again"):
+            await s.heartbeat(_beat("d1", 7))
+        await s.register(info("d1", Role.DECODE))  # what a worker does on NOT_FOUND
+        assert (await s.heartbeat(_beat("d1", 0))).resync_cache is False
         placed = await s.place(request("r2", hashes=(1,)))
-        assert isinstance(placed, Placement) and placed.prefill is not None
-        assert placed.prefill.worker_id == "p1"
-        await s.heartbeat(_beat("d1", 8))
-        now[0] += TTL_S * 0.2  # p1 never heartbeat: its lease has lapsed, d1's has not
-        placed = await s.place(request("r3", hashes=(1,)))
-        assert isinstance(placed, Placement) and placed.mode is PrefillMode.LOCAL_FALLBACK
-        await asyncio.sleep(0.2)  # the expiry tick (every 20 ms) drops p1 and its blocks
+        assert isinstance(placed, Placement) and placed.decode.worker_id == "d1"
+        assert placed.prefill is None or placed.prefill.worker_id != "p1"  # still a hint
+        for seq in (1, 2):  # d1 keeps its lease; p1 never registered: dropped with its blocks
+            now[0] += TTL_S * 0.6
+            await s.heartbeat(_beat("d1", seq))
+        await asyncio.sleep(0.2)  # the expiry tick (every 20 ms)
         snap = await s.inspect()
         assert [w.info.worker_id for w in snap.workers] == ["d1"] and not snap.prefix_index
     finally:
