@@ -11,10 +11,12 @@ kin; a worker gone silent, its host cut off, is found by keepalive pings and bre
 way) or its prefill failed (the decode worker names the prefill worker in the trailing
 metadata), the request is placed again without the worker at fault and the new decode
 worker is sent ``resume_token_ids`` = the tokens the client already has; it continues after
-them, so the client sees one stream, no token twice or missing. At most ``max_migrations``
-times a request; then the stream ends with the last error. A migrating request was admitted
-already, so when no worker has room for it (a 429: its old KV blocks may be held by a lease
-for a while) it waits, with backoff, up to ``MIGRATION_ROOM_WAIT_S``.
+them, so the client sees one stream, no token twice or missing. ``migration.py`` says which
+breakages move a request: a lost worker, at most ``max_migrations`` times; a failure that
+may be the request's own, once (the same failure twice ends it). A migrating request was
+admitted already, so when no worker has room for it (a 429: its old KV blocks may be held
+by a lease for a while) it waits, with backoff, up to ``MIGRATION_ROOM_WAIT_S``. Each
+attempt's decode stream has a deadline of ``generate_timeout_s``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from services.gateway.backend import (
     GenerateInput,
     ServedBy,
 )
+from services.gateway.migration import Breakage, MigrationHistory, classify
 
 log = structlog.get_logger(__name__)
 
@@ -50,18 +53,6 @@ PLACE_TIMEOUT_S = 5.0
 # blocks may be held by a KV lease for a while), it waits this long for room, not a 429.
 MIGRATION_ROOM_WAIT_S = 60.0
 HASH_BLOCK_SIZE = 16
-# A broken stream's status: the worker is gone or failing, not the request at fault.
-_BROKEN = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.ABORTED,
-        grpc.StatusCode.CANCELLED,  # cancelled by the server side (we cancel only on close)
-    }
-)
-# A prefill's failure that another prefill worker may not repeat.
-_REFUSED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE})
 
 
 class _RoomWait:
@@ -81,22 +72,18 @@ class _RoomWait:
 
 
 class _Broken(Exception):
-    """One attempt failed in a way another placement may not: move the request."""
+    """One attempt failed in a way another placement may not: maybe move the request."""
 
-    def __init__(self, cause: str, worker_id: str, error: grpc.aio.AioRpcError) -> None:
-        super().__init__(f"{cause} on {worker_id}: {error.code().name}")
-        self.cause = cause  # "decode_lost" | "prefill_failed"
-        self.worker_id = worker_id
+    def __init__(self, breakage: Breakage, error: grpc.aio.AioRpcError) -> None:
+        super().__init__(str(breakage))
+        self.breakage = breakage
         self.error = error
 
 
 def _broken(e: grpc.aio.AioRpcError, decode_worker_id: str) -> _Broken | None:
     failed = dict(e.trailing_metadata() or ()).get(FAILED_WORKER_KEY)
-    if failed and e.code() not in _REFUSED:
-        return _Broken("prefill_failed", str(failed), e)
-    if e.code() in _BROKEN:
-        return _Broken("decode_lost", decode_worker_id, e)
-    return None
+    b = classify(e.code(), e.details() or "", decode_worker_id, str(failed) if failed else None)
+    return None if b is None else _Broken(b, e)
 
 
 def _error_for(e: grpc.aio.AioRpcError, what: str) -> Exception:
@@ -215,7 +202,7 @@ class ClusterBackend:
         arrival_ns = time.time_ns()
         received: list[int] = []  # token ids the client has, over every attempt
         exclude: list[str] = []
-        migrations = 0
+        history = MigrationHistory(self.max_migrations)
         room: _RoomWait | None = None  # set once migrating: waits for room instead of a 429
         for attempt in itertools.count():  # Place is idempotent per (request, attempt)
             try:
@@ -227,14 +214,13 @@ class ClusterBackend:
             except ResourceExhaustedError:
                 if room is None or not await room.wait():
                     raise
-            except _Broken as b:
+            except _Broken as broken:
+                b = broken.breakage
                 exclude.append(b.worker_id)
-                if migrations == self.max_migrations:
-                    raise BackendUnavailableError(
-                        f"gave up after {migrations} migrations; last: {b.cause} on worker "
-                        f"{b.worker_id}: {b.error.code().name}: {b.error.details()}"
-                    ) from b.error
-                migrations += 1
+                reason = history.give_up(b)
+                if reason is not None:
+                    log.warning("request_not_moved", request_id=req.request_id, reason=reason)
+                    raise BackendUnavailableError(reason) from broken.error
                 room = _RoomWait(MIGRATION_ROOM_WAIT_S)
                 self.on_migration(b.cause)
                 log.warning(
@@ -242,9 +228,9 @@ class ClusterBackend:
                     request_id=req.request_id,
                     cause=b.cause,
                     failed_worker_id=b.worker_id,
-                    code=b.error.code().name,
+                    code=b.code.name,
                     tokens_received=len(received),
-                    migration=migrations,
+                    migration=len(history.breakages),
                 )
         raise AssertionError("unreachable")
 

@@ -85,6 +85,12 @@ class GatewayConfig:
         "cluster: times one request is placed again after its decode stream broke or its "
         "prefill failed (the new decode worker resumes after the tokens already sent; 0: never)",
     )
+    generate_timeout_s: float = setting(
+        600.0,
+        "cluster: deadline of one attempt's decode stream, prefill included; past it the "
+        "request ends with an error",
+        metavar="SECONDS",
+    )
     slo_ttft_ms: float | None = setting(
         None, "goodput metric: a good request's first token within this (default: not checked)"
     )
@@ -137,6 +143,8 @@ class GatewayConfig:
             raise ValueError(f"max_migrations={self.max_migrations} must be >= 0")
         if not self.worker_keepalive_s > 0:
             raise ValueError(f"worker_keepalive_s={self.worker_keepalive_s} must be > 0")
+        if not self.generate_timeout_s > 0:
+            raise ValueError(f"generate_timeout_s={self.generate_timeout_s} must be > 0")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s} must be >= 0")
         for name in ("slo_ttft_ms", "slo_itl_ms"):

@@ -138,11 +138,14 @@ class GatewayMetrics:
         self.migrations = Counter(
             "pdserve:migrations",
             "Requests placed again after their stream broke, by cause: decode_lost (the decode "
-            "worker died or went away) or prefill_failed (the prefill worker or its transfer).",
+            "worker died or went away), decode_failed (it failed running the request), "
+            "prefill_lost (the prefill worker or its transfer went away) or prefill_failed "
+            "(it failed the request: an error, a deadline).",
             ["cause"],
             registry=r,
         )
-        for cause in ("decode_lost", "prefill_failed"):  # exported at 0 from the start
+        causes = ("decode_lost", "decode_failed", "prefill_lost", "prefill_failed")
+        for cause in causes:  # exported at 0 from the start
             self.migrations.labels(cause)
 
         self.waiting = Gauge(
