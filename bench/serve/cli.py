@@ -184,6 +184,13 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     v.add_argument("--huge-mib", type=float, default=3.0, help="their size (default: 3 MiB)")
     v.add_argument("--quiet-s", type=float, default=20.0, help="quiet phase (default: 20 s)")
     v.add_argument("--overload-s", type=float, default=30.0, help="overload phase (default: 30 s)")
+    v.add_argument(
+        "--retry-s",
+        type=float,
+        default=1.0,
+        help="a refused client waits this long before it tries again (default: 1 s, what "
+        "pdserve's Retry-After asks)",
+    )
 
     c = p.add_argument_group("conversations (multi-turn, shared-prefix; --output-tokens each)")
     c.add_argument("--sessions", type=int, default=8, help="multi-turn (default: %(default)s)")
@@ -515,7 +522,7 @@ def _run_overload(args: argparse.Namespace) -> int:
         cfg = overload.OverloadConfig(
             streams=args.streams, flood=args.flood, stalled=args.stalled, huge=args.huge,
             huge_mib=args.huge_mib, quiet_s=args.quiet_s, overload_s=args.overload_s,
-            timeout_s=args.timeout_s,
+            retry_s=args.retry_s, timeout_s=args.timeout_s,
         )  # fmt: skip
         specs = wl.build_fixed(
             wl.default_tokenizer(args.tokenizer),

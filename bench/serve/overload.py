@@ -52,7 +52,7 @@ class OverloadConfig:
     huge_mib: float = 3.0
     quiet_s: float = 20.0
     overload_s: float = 30.0
-    retry_s: float = 0.25
+    retry_s: float = 1.0
     timeout_s: float = 120.0
 
 

@@ -59,7 +59,10 @@ class GatewayConfig:
         metavar="N",
     )
     queue_timeout_s: float = setting(
-        10.0, "longest wait in the queue; then 429 / RESOURCE_EXHAUSTED", metavar="SECONDS"
+        30.0,
+        "longest wait in the queue; then 429 / RESOURCE_EXHAUSTED (a queue as long as the cap "
+        "waits about one request's duration)",
+        metavar="SECONDS",
     )
     rate_limit_rps: float = setting(
         0.0,
