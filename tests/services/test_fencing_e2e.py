@@ -106,10 +106,11 @@ async def test_a_late_write_never_reaches_a_reallocated_block(workers, prompts, 
     """A is cancelled while its writer is frozen; B, computed on the decode worker itself,
     comes right after and would be given A's blocks (freed blocks are reused first). The
     writer wakes and writes A's KV where A's blocks were. B's tokens must be B's own: A's
-    blocks stay set aside until the writer is known to have stopped."""
+    blocks stay set aside until the writer is known to have stopped: the cancel cancels the
+    Prefill call, so no reply says so, and the KV lease ends it."""
     procs, ports = workers
     dec, pre = procs["decode"], procs["prefill"]
-    before = _metric(ports["decode"], "pdserve:kv_fences_total", 'how="confirmed"')
+    before = _metric(ports["decode"], "pdserve:kv_fences_total", 'how="lease"')
     async with cluster_auth.channel(dec.address) as ch:
         call = worker_pb2_grpc.DecodeWorkerStub(ch).Generate(
             _request("late-a", prompts["a"], pre.address), timeout=60
@@ -119,9 +120,9 @@ async def test_a_late_write_never_reaches_a_reallocated_block(workers, prompts, 
     await asyncio.sleep(1.2)  # past the old 1 s grace, before the writer wakes
     toks = await _generate(dec.address, _request("late-b", prompts["b"]))
     assert toks == expected_b
-    # A's blocks came back once its prefill said the writer was done, not by the clock.
+    # A's blocks came back when the KV lease (the 8 s deadline + 2 s) ended.
     assert await _until_free(ports["decode"], 8 + 2 + 5) == 0.0
-    after = _metric(ports["decode"], "pdserve:kv_fences_total", 'how="confirmed"')
+    after = _metric(ports["decode"], "pdserve:kv_fences_total", 'how="lease"')
     assert after - before == 1
 
 

@@ -46,6 +46,16 @@ def test_worker_defaults() -> None:
     assert decode_config(["--log-level", "WARNING"], {}).worker.log_level == "warning"
 
 
+def test_the_prefill_deadline_is_a_decode_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    env = {"PDSERVE_DECODE_PREFILL_DEADLINE_S": "12.5"}
+    assert decode_config([], env).prefill_deadline_s == 12.5
+    assert decode_config(["--prefill-deadline-s", "7"], env).prefill_deadline_s == 7.0  # flag wins
+    with pytest.raises(SystemExit) as exc:
+        decode_config(["--prefill-deadline-s", "0"], {})
+    assert exc.value.code == 2
+    assert "prefill_deadline_s must be > 0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "module", ["services.prefill", "services.decode", "services.gateway", "services.scheduler"]
 )
