@@ -314,6 +314,7 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
         "grpc": _field(gateway.ready_text, "grpc") or f"{cfg.host}:{cfg.grpc_port}",
         "scheduler": sched.address,
         "redis": f"redis://127.0.0.1:{redis_port}/0",
+        "redis-password-file": str(redis_password_file(workdir)),  # user REDIS_USER
         **({"kv-store": store_flags[1]} if store_flags else {}),
         "logs": str(stack.log_dir),
         # bench and tests read every metrics:* key as a worker's

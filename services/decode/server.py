@@ -34,6 +34,7 @@ from engine.sampling_params import SamplingParams
 from kvstore.prefix import loaded_prefix
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common import cluster_auth, metrics
+from services.common.channel_pool import ChannelPool
 from services.common.convert import finish_to_proto, handle_to_proto, sampling_from_proto, usage
 from services.common.grpc_errors import FAILED_WORKER_KEY, abort_with, kv_fenced, status_for
 from services.common.kv_store import StoreLink
@@ -74,7 +75,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.role = role
         self.prefill_deadline_s = prefill_deadline_s
         self.worker_id = worker_id
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = ChannelPool(cluster_auth.channel)  # to prefill workers
         self.receiver = KVReceiver(aengine, role=role, prefill_deadline_s=prefill_deadline_s)
         self.inflight = 0
         self.kv_bytes_received = 0
@@ -83,16 +84,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if region is not None:  # export the series at 0 before the first transfer
             metrics.TRANSFER_BYTES.labels(role, region.transport)
 
-    def _prefill_stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = cluster_auth.channel(address)
-            self._channels[address] = ch
-        return worker_pb2_grpc.PrefillWorkerStub(ch)
-
     async def close(self) -> None:
-        for ch in self._channels.values():
-            await ch.close()
+        await self._channels.close()
 
     async def Generate(
         self, request: worker_pb2.DecodeGenerateRequest, context: grpc.aio.ServicerContext
@@ -183,7 +176,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     ) -> tuple[AsyncIterator[RequestOutput], int]:
         region = self.region
         assert region is not None
-        stub = self._prefill_stub(request.prefill_address)
 
         async def ask(reservation: Reservation) -> Prefilled:
             preq = worker_pb2.PrefillRequest(
@@ -202,7 +194,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 ),
             )
             try:
-                reply = await stub.Prefill(preq, timeout=self.prefill_deadline_s)
+                async with self._channels.lease(request.prefill_address) as channel:
+                    stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+                    reply = await stub.Prefill(preq, timeout=self.prefill_deadline_s)
             except grpc.aio.AioRpcError as e:
                 raise PrefillFailed(e, fenced=kv_fenced(e)) from e
             return Prefilled(

@@ -22,7 +22,9 @@ attempt's decode stream has a deadline of ``generate_timeout_s``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -35,6 +37,7 @@ from engine.errors import InvalidRequestError, ResourceExhaustedError
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common import cluster_auth, keepalive
 from services.common.background import Background
+from services.common.channel_pool import ChannelPool
 from services.common.convert import finish_from_proto, sampling_to_proto
 from services.common.grpc_errors import FAILED_WORKER_KEY
 from services.common.reconnect import SCHEDULER_CHANNEL_OPTIONS
@@ -143,7 +146,9 @@ class ClusterBackend:
         # Called with the cause of every migration (the gateway's metrics count them).
         self.on_migration: Callable[[str], None] = lambda cause: None
         self._sched_channel: grpc.aio.Channel | None = None
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = ChannelPool(
+            lambda address: cluster_auth.channel(address, options=self._worker_channel_options)
+        )
         self._background = Background()
 
     def start(self) -> None:
@@ -158,8 +163,7 @@ class ClusterBackend:
         await self.close()
 
     async def close(self) -> None:
-        for ch in self._channels.values():
-            await ch.close()
+        await self._channels.close()
         if self._sched_channel is not None:
             await self._sched_channel.close()
 
@@ -169,13 +173,6 @@ class ClusterBackend:
         except grpc.aio.AioRpcError:
             return False
         return r.status == health_pb2.HealthCheckResponse.SERVING
-
-    def _decode_stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = cluster_auth.channel(address, options=self._worker_channel_options)
-            self._channels[address] = ch
-        return worker_pb2_grpc.DecodeWorkerStub(ch)
 
     async def _place(
         self, req: GenerateInput, attempt: int, exclude: list[str]
@@ -199,6 +196,10 @@ class ClusterBackend:
             raise _error_for(e, "scheduler") from e
 
     async def generate(self, req: GenerateInput) -> AsyncIterator[GenerateChunk]:
+        # Inside the cluster the request goes by the caller's id and a suffix of its own: a
+        # client-chosen id (gRPC) may be another client's too, and the scheduler's Place is
+        # idempotent per id, so two requests sharing one would share a placement.
+        req = dataclasses.replace(req, request_id=f"{req.request_id}~{secrets.token_hex(4)}")
         arrival_ns = time.time_ns()
         received: list[int] = []  # token ids the client has, over every attempt
         exclude: list[str] = []
@@ -245,7 +246,8 @@ class ClusterBackend:
         """One placement's decode stream; raises ``_Broken`` when another may carry on."""
         decode = placement.decode
         prefill_addr = placement.prefill.grpc_address if placement.HasField("prefill") else ""
-        call = self._decode_stub(decode.grpc_address).Generate(
+        channel = self._channels.acquire(decode.grpc_address)  # released below
+        call = worker_pb2_grpc.DecodeWorkerStub(channel).Generate(
             worker_pb2.DecodeGenerateRequest(
                 request_id=req.request_id,
                 prompt_token_ids=list(req.prompt_token_ids),
@@ -297,6 +299,7 @@ class ClusterBackend:
                     outcome.finish_reason = common_pb2.FINISH_REASON_ABORT
             outcome.finish_unix_ns = time.time_ns()
             self._report(outcome)
+            self._channels.release(decode.grpc_address)
 
     def _report(self, outcome: scheduler_pb2.Outcome) -> None:
         async def send() -> None:

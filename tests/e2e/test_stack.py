@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from pathlib import Path
 
 import grpc
 import openai
@@ -24,7 +25,7 @@ from pdserve.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from services.launcher import Stack, free_port
+from services.launcher import REDIS_USER, Stack, free_port, redis_password_file
 from services.supervisor import RestartPolicy, Supervisor
 from services.up import launch, load_up_config, pin_plan, worker_placement
 from tests.e2e.supervision import supervised
@@ -236,6 +237,29 @@ async def test_grpc_generate_stream(stack, expected) -> None:
     # arrived here (one host, one clock), and in order
     assert all(sent_ns < produced <= received for produced, received in stamps), stamps
     assert [p for p, _ in stamps] == sorted(p for p, _ in stamps)
+
+
+async def test_two_clients_choosing_the_same_request_id_do_not_collide(stack, expected) -> None:
+    """A gRPC client chooses its request_id: one that another client uses at the same time
+    must not share its placement (the scheduler's Place is idempotent per id) or end its
+    reservations; both streams are answered in full, each echoing its id."""
+    _, endpoints = stack
+
+    async def ask(question: str) -> tuple[str, set[str]]:
+        async with grpc.aio.insecure_channel(endpoints["grpc"]) as ch:
+            req = gateway_pb2.GenerateRequest(
+                request_id="same-id",
+                chat=common_pb2.ChatMessages(
+                    messages=[common_pb2.ChatMessage(role="user", content=question)]
+                ),
+                sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+            )
+            events = [ev async for ev in gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=60)]
+        return "".join(ev.text for ev in events), {ev.request_id for ev in events}
+
+    answers = await asyncio.gather(ask(QUESTIONS[0]), ask(QUESTIONS[1]))
+    assert [text for text, _ in answers] == [expected[QUESTIONS[0]], expected[QUESTIONS[1]]]
+    assert all(ids == {"same-id"} for _, ids in answers)
 
 
 async def test_client_disconnect_frees_blocks_on_both_workers(stack) -> None:
@@ -501,7 +525,13 @@ async def test_a_killed_redis_is_restarted_and_requests_are_served_throughout(
     st, endpoints = stack
     client = _client(endpoints)
     model = await _model(client)
-    r = redis.Redis.from_url(endpoints["redis"], decode_responses=True, socket_timeout=2)
+    # The stack's Redis takes only its ACL user, with the password pdserve up keeps.
+    r = redis.Redis.from_url(
+        endpoints["redis"], decode_responses=True, socket_timeout=2, username=REDIS_USER,
+        password=redis_password_file(Path(endpoints["logs"])).read_text(),
+    )  # fmt: skip
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(endpoints["redis"], socket_timeout=2).ping()
     await _chat(client, model, QUESTIONS[1])
     await asyncio.sleep(1.5)  # the append-only file is fsynced every second
     records = set(r.scan_iter("pdserve:request:*"))
