@@ -386,7 +386,9 @@ SAMPLES: dict[str, Message] = {
             placement_token="v1.e30.c2ln",
         ),
         scheduler_pb2.RegisterWorkerRequest(worker=_WORKER),
-        scheduler_pb2.RegisterWorkerReply(heartbeat_interval_ms=1000, lease_ttl_ms=5000),
+        scheduler_pb2.RegisterWorkerReply(
+            heartbeat_interval_ms=1000, lease_ttl_ms=5000, placement_verify_key=b"k" * 32
+        ),
         scheduler_pb2.LoadSnapshot(
             running_requests=12,
             waiting_requests=3,
@@ -404,7 +406,9 @@ SAMPLES: dict[str, Message] = {
             stored_block_hashes=[2**64 - 1, 5],
             cache_snapshot=False,
         ),
-        scheduler_pb2.HeartbeatReply(resync_cache=True, heartbeat_interval_ms=2000),
+        scheduler_pb2.HeartbeatReply(
+            resync_cache=True, heartbeat_interval_ms=2000, placement_verify_key=b"k" * 32
+        ),
         scheduler_pb2.DeregisterWorkerRequest(worker_id="decode-0"),
         scheduler_pb2.DeregisterWorkerReply(),
         scheduler_pb2.Outcome(
@@ -430,7 +434,8 @@ SAMPLES: dict[str, Message] = {
             sampling=_SAMPLING,
             deadline_ms=2000,
             decode_worker_id="decode-0",
-            placement_token="v1.e30.c2ln",
+            placement_token="v2.e30.c2ln",
+            attempt=1,
             kv_destination=worker_pb2.KVDestination(
                 region=_REGION, block_ids=[7], num_present_tokens=0
             ),
@@ -454,7 +459,8 @@ SAMPLES: dict[str, Message] = {
             sampling=_SAMPLING,
             prefill_address="10.0.0.5:7001",
             prefill_worker_id="prefill-0",
-            placement_token="v1.e30.c2ln",
+            placement_token="v2.e30.c2ln",
+            attempt=1,
             resume_token_ids=[9, 10],
         ),
         worker_pb2.DecodeEvent(
