@@ -42,13 +42,12 @@ def workers():
             procs[transport] = start_service(
                 "services.decode", "--port", "0", "--transport", transport,
                 "--kv-cache-mib", "160", "--prefill-deadline-s", str(PREFILL_DEADLINE_S),
-                "--metrics-port", str(ports[transport]), insecure=True,
+                "--metrics-port", str(ports[transport]),
             )  # fmt: skip
         ports["prefill"] = free_port()
         procs["prefill"] = start_service(
             "services.prefill", "--port", "0", "--kv-cache-mib", "160",
             "--prefill-token-budget", str(CHUNK), "--metrics-port", str(ports["prefill"]),
-            insecure=True,  # no scheduler signs placements here
         )  # fmt: skip
         yield procs, ports
     finally:
@@ -80,14 +79,14 @@ def _request(rid: str, ids: list[int], prefill: str) -> worker_pb2.DecodeGenerat
     )
 
 
-@pytest.fixture(scope="module")
-def long_prompt(default_tokenizer) -> list[int]:
-    text = " ".join(
+def _long_prompt(tokenizer, log: str) -> list[int]:
+    """About 3,000 words; ``log`` heads it, so no worker holds another test's prefix."""
+    text = f"The {log} harbour log. " + " ".join(
         f"Entry {i}: the harbour master logged the {['schooner', 'ketch', 'barge'][i % 3]} "
         f"that came in at {i % 24} o'clock with {7 + i % 11} crates of cargo for the market."
         for i in range(400)
-    )  # about 3,000 words
-    ids = default_tokenizer.encode(text)
+    )
+    ids = tokenizer.encode(text)
     assert len(ids) >= PROMPT_TOKENS
     return ids[:PROMPT_TOKENS]
 
@@ -105,9 +104,10 @@ def expected_short(make_engine, short_prompt) -> list[int]:
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 async def test_a_client_gone_after_half_a_second_costs_a_small_share_of_its_prefill(
-    workers, long_prompt, short_prompt, expected_short, transport
+    workers, default_tokenizer, short_prompt, expected_short, transport
 ) -> None:
     procs, ports = workers
+    long_prompt = _long_prompt(default_tokenizer, transport)
     dec, pre = procs[transport], procs["prefill"]
     computed = "pdserve:prompt_tokens_computed_total"
     before = _metric(ports["prefill"], computed)
@@ -122,17 +122,17 @@ async def test_a_client_gone_after_half_a_second_costs_a_small_share_of_its_pref
     # The reserved blocks are fenced: the cancelled call's writer may still write.
     assert _metric(ports[transport], "pdserve:kv_cache_usage_perc") > 0.0
 
-    # Every block comes back: the prefill worker's once its aborted transfer's outcome is
-    # in, the decode worker's when the KV lease ends.
+    # The prefill worker's blocks come back once its aborted transfer's outcome is in. The
+    # prompt stopped after the chunk under way when the cancel came (and perhaps the next):
+    # a small share of it, where the code before computed it all.
     assert await _until(ports["prefill"], "pdserve:kv_cache_usage_perc", 0.0, LEASE_S) == 0.0
-    assert await _until(ports[transport], "pdserve:kv_cache_usage_perc", 0.0, LEASE_S + 10) == 0.0
-    assert _metric(ports[transport], "pdserve:kv_fences_total", 'how="lease"') == leased + 1
-
-    # The prompt stopped after the chunk under way when the cancel came (and perhaps the
-    # next): a small share of it, where the code before computed it all.
     spent = _metric(ports["prefill"], computed) - before
     print(f"cancelled after 0.5 s: computed {spent:.0f} of {len(long_prompt)} prompt tokens")
     assert spent <= len(long_prompt) / 4
+
+    # The decode worker's come back when the KV lease ends.
+    assert await _until(ports[transport], "pdserve:kv_cache_usage_perc", 0.0, LEASE_S + 10) == 0.0
+    assert _metric(ports[transport], "pdserve:kv_fences_total", 'how="lease"') == leased + 1
 
     # and the pair serves the next request, greedy as the colocated engine
     async with cluster_auth.channel(dec.address) as ch:
