@@ -13,6 +13,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -280,19 +281,33 @@ async def test_the_event_loop_answers_while_a_prompt_is_tokenized(gw, monkeypatc
     assert status == 200
 
 
-async def test_tokenizing_a_long_prompt_lets_the_event_loop_run(gw) -> None:
-    """The tokenizer lets go of the GIL while it works: the loop turns many times during
-    one long encode on the service's thread (a tokenizer holding the GIL lets it turn once
+async def test_tokenizing_a_long_prompt_lets_the_event_loop_run(gw, monkeypatch) -> None:
+    """The tokenizer lets go of the GIL while it works: the loop turns many times while one
+    long encode runs on the service's thread (a tokenizer holding the GIL lets it turn once
     or twice: no other stream's token could go out meanwhile)."""
     model = gw.service.models[MODEL]
-    text = "serving many streams at once " * 20_000  # 580 KB: a fraction of a second
-    turns = 0
+    tok = model.tokenizer
+    real_encode = tok.encode
+    span: list[float] = []
+
+    def timed_encode(text: str, **kwargs: Any) -> list[int]:
+        span.append(time.perf_counter())
+        try:
+            return real_encode(text, **kwargs)
+        finally:
+            span.append(time.perf_counter())
+
+    monkeypatch.setattr(tok, "encode", timed_encode)
+    text = "serving many streams at once " * 40_000  # 1.2 MB: most of a second to encode
+    turns: list[float] = []
     encode = asyncio.ensure_future(gw.service.prepare(model.encode_text, text))
     while not encode.done():
-        await asyncio.sleep(0)
-        turns += 1
-    assert len(await encode) > 20_000
-    assert turns > 50, turns
+        await asyncio.sleep(0.001)  # a turn that waits: the loop lets go of the GIL
+        turns.append(time.perf_counter())
+    assert len(await encode) > 40_000
+    start, end = span
+    during = sum(1 for t in turns if start < t < end)
+    assert during > 50, (during, end - start)
 
 
 # -- slow readers and connections ------------------------------------------------------------
