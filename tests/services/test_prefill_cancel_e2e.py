@@ -42,12 +42,13 @@ def workers():
             procs[transport] = start_service(
                 "services.decode", "--port", "0", "--transport", transport,
                 "--kv-cache-mib", "160", "--prefill-deadline-s", str(PREFILL_DEADLINE_S),
-                "--metrics-port", str(ports[transport]),
+                "--metrics-port", str(ports[transport]), insecure=True,
             )  # fmt: skip
         ports["prefill"] = free_port()
         procs["prefill"] = start_service(
             "services.prefill", "--port", "0", "--kv-cache-mib", "160",
             "--prefill-token-budget", str(CHUNK), "--metrics-port", str(ports["prefill"]),
+            insecure=True,  # no scheduler signs placements here
         )  # fmt: skip
         yield procs, ports
     finally:
