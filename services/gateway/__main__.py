@@ -125,7 +125,10 @@ async def serve(cfg: GatewayConfig) -> None:
     http = HttpServer(
         app, cfg.host, cfg.http_port, cfg.drain_timeout_s, max_connections=cfg.max_connections
     )
-    server = grpc_server(service, cfg.host, cfg.grpc_port, max_message_bytes=cfg.max_body_bytes)
+    server = grpc_server(
+        service, cfg.host, cfg.grpc_port, max_message_bytes=cfg.max_body_bytes,
+        write_timeout_s=cfg.write_timeout_s,
+    )  # fmt: skip
     await http.start()
     log.info("gateway_started", model=model.name, max_model_len=model.max_model_len,
              http_port=http.port, grpc_port=server.port, max_concurrent=cfg.concurrency,

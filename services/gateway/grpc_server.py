@@ -16,6 +16,7 @@ with a deserializer that hands the decode error to the servicer.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import AsyncIterator, Callable
@@ -90,8 +91,9 @@ def _status_for(exc: EngineError) -> _Status:
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """``pdserve.v1.Gateway`` over a ``GatewayService``."""
 
-    def __init__(self, service: GatewayService) -> None:
+    def __init__(self, service: GatewayService, *, write_timeout_s: float = 30.0) -> None:
         self.service = service
+        self.write_timeout_s = write_timeout_s
 
     def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
         md = dict(context.invocation_metadata() or ())
@@ -119,12 +121,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Generate(
         self, request: gateway_pb2.GenerateRequest | _Undecodable, context: Any
-    ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
+    ) -> None:
         received_at = time.monotonic()
         outcome = grpc.StatusCode.OK
         try:
-            async for ev in self._generate(request, context, received_at):
-                yield ev
+            async with aclosing(self._generate(request, context, received_at)) as events:
+                async for ev in events:
+                    await self._write(context, ev)
         except (_Status, ResourceExhaustedError, BackendUnavailableError) as exc:
             # admission's refusals come as the backends' errors do
             st = exc if isinstance(exc, _Status) else _status_for(exc)
@@ -141,6 +144,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise
         finally:
             self.service.metrics.count_request("grpc.Generate", outcome.name)
+
+    async def _write(self, context: Any, ev: gateway_pb2.GenerateEvent) -> None:
+        """Send ``ev``; a client that takes nothing for ``write_timeout_s`` (its flow-control
+        window stays full) is cut, which ends its request and frees its slot."""
+        try:
+            async with asyncio.timeout(self.write_timeout_s):
+                await context.write(ev)
+        except TimeoutError:
+            self.service.metrics.count_refusal("slow_reader")
+            log.warning("slow_reader_cut", write_timeout_s=self.write_timeout_s)
+            raise _Status(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the client read nothing for {self.write_timeout_s:g} s: the stream is cut",
+            ) from None
 
     async def _generate(
         self, request: gateway_pb2.GenerateRequest | _Undecodable, context: Any, received_at: float
@@ -276,12 +293,18 @@ def _register(server: grpc.aio.Server, servicer: GatewayServicer) -> None:
 
 
 def grpc_server(
-    service: GatewayService, host: str, port: int, *, max_message_bytes: int = 4 << 20
+    service: GatewayService,
+    host: str,
+    port: int,
+    *,
+    max_message_bytes: int = 4 << 20,
+    write_timeout_s: float = 30.0,
 ) -> process.GrpcServer:
     """The shell's gRPC server on ``host:port`` serving ``pdserve.v1.Gateway`` for
-    ``service`` (health and reflection included; not started yet)."""
+    ``service`` (health and reflection included; not started yet); a stream whose client
+    takes no event for ``write_timeout_s`` is cut."""
     server = process.GrpcServer([SERVICE_NAME], host, port, max_message_bytes=max_message_bytes)
-    _register(server.server, GatewayServicer(service))
+    _register(server.server, GatewayServicer(service, write_timeout_s=write_timeout_s))
     return server
 
 

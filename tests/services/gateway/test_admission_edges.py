@@ -359,6 +359,25 @@ async def test_a_client_that_stops_reading_is_cut_and_its_request_cancelled(gw) 
             sock.close()
 
 
+async def test_a_grpc_client_that_stops_reading_is_cut_and_its_request_cancelled(gw) -> None:
+    """gRPC's flow control fills the same way: the write that waits past the timeout ends
+    the stream (DEADLINE_EXCEEDED for the client, should it ever read again)."""
+    firehose = _Firehose()
+    service = GatewayService(firehose, [gw.service.models[MODEL]], admission=AdmissionLimits(2))
+    server = grpc_server(service, "127.0.0.1", 0, write_timeout_s=0.5)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            req = gateway_pb2.GenerateRequest(model=MODEL, prompt="Hi")
+            call = gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=120)  # never read
+            await asyncio.wait_for(firehose.closed.wait(), 60)
+            await _eventually(lambda: service.admission.in_flight == 0, "the slot is freed")
+            assert _refused_count(service, "slow_reader") == 1
+            call.cancel()
+    finally:
+        await server.stop(None)
+
+
 async def test_connections_past_the_cap_get_503_and_are_closed(gw, http) -> None:
     service = _service(gw, AdmissionLimits(4))
     async with _served(service, max_connections=2) as (base, server):
