@@ -11,6 +11,8 @@ from pathlib import Path
 
 import aiohttp
 
+from services.gateway.cluster_backend import client_request_id
+
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "pdserve-kv-"
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([0-9.eE+-]+|NaN)$")
@@ -83,7 +85,8 @@ async def migrations(session: aiohttp.ClientSession, metrics_url: str) -> dict[s
 
 
 def migrated_requests(log_path: Path) -> dict[str, list[str]]:
-    """request id -> the causes of its ``request_migrating`` lines in a gateway log."""
+    """request id (the client's) -> the causes of its ``request_migrating`` lines in a
+    gateway log (which names requests by their ids inside the cluster)."""
     out: dict[str, list[str]] = {}
     if not log_path.exists():
         return out
@@ -95,7 +98,8 @@ def migrated_requests(log_path: Path) -> dict[str, list[str]]:
         except json.JSONDecodeError:
             continue
         if rec.get("event") == "request_migrating":
-            out.setdefault(str(rec.get("request_id")), []).append(str(rec.get("cause")))
+            rid = client_request_id(str(rec.get("request_id")))
+            out.setdefault(rid, []).append(str(rec.get("cause")))
     return out
 
 

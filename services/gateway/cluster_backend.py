@@ -58,6 +58,19 @@ MIGRATION_ROOM_WAIT_S = 60.0
 HASH_BLOCK_SIZE = 16
 
 
+def cluster_request_id(request_id: str) -> str:
+    """The id a request goes by inside the cluster (scheduler, workers, Redis, logs): the
+    caller's and a suffix of the gateway's. A client-chosen id (gRPC) may be another
+    client's too, and the scheduler's Place is idempotent per id, so two requests sharing
+    one would share a placement."""
+    return f"{request_id}~{secrets.token_hex(4)}"
+
+
+def client_request_id(cluster_id: str) -> str:
+    """The caller's id of a request that goes by ``cluster_id`` inside the cluster."""
+    return cluster_id.rsplit("~", 1)[0]
+
+
 class _RoomWait:
     """Backoff for a migrating request that finds no room (429) until ``total_s`` passed."""
 
@@ -196,10 +209,7 @@ class ClusterBackend:
             raise _error_for(e, "scheduler") from e
 
     async def generate(self, req: GenerateInput) -> AsyncIterator[GenerateChunk]:
-        # Inside the cluster the request goes by the caller's id and a suffix of its own: a
-        # client-chosen id (gRPC) may be another client's too, and the scheduler's Place is
-        # idempotent per id, so two requests sharing one would share a placement.
-        req = dataclasses.replace(req, request_id=f"{req.request_id}~{secrets.token_hex(4)}")
+        req = dataclasses.replace(req, request_id=cluster_request_id(req.request_id))
         arrival_ns = time.time_ns()
         received: list[int] = []  # token ids the client has, over every attempt
         exclude: list[str] = []

@@ -83,12 +83,14 @@ def test_metrics_and_the_gateway_log_are_read(tmp_path: Path) -> None:
     assert probes.samples(text, "pdserve:migrations_total") == [({"cause": "decode_lost"}, 3.0)]
     log = tmp_path / "gateway.log"
     log.write_text(
-        json.dumps({"event": "request_migrating", "request_id": "r1", "cause": "prefill_failed"})
+        json.dumps(
+            {"event": "request_migrating", "request_id": "r1~0a1b2c3d", "cause": "prefill_lost"}
+        )
         + "\nREADY gateway\n"
         + json.dumps({"event": "chat_completion_started", "request_id": "r2"})
         + "\n"
     )
-    assert probes.migrated_requests(log) == {"r1": ["prefill_failed"]}
+    assert probes.migrated_requests(log) == {"r1": ["prefill_lost"]}  # the client's id
 
 
 @pytest.mark.parametrize("transport", ["shm,tcp", pytest.param("mooncake", marks=pytest.mark.slow)])

@@ -406,7 +406,7 @@ async def test_killed_prefill_worker_mid_transfer_its_requests_complete(
     victim = st.named("prefill-1")
     metrics_url = endpoints["metrics:prefill-1"]
     started = metric(metrics_url, "pdserve:request_queue_time_seconds_count")
-    before = _gateway_metric(endpoints, "pdserve:migrations_total", 'cause="prefill_failed"')
+    before = _gateway_metric(endpoints, "pdserve:migrations_total", 'cause="prefill_lost"')
     chats = [asyncio.ensure_future(_chat(client, model, q)) for q in LONG_PROMPTS]
     deadline = time.monotonic() + 120
     # kill it as soon as a prompt of this batch reached its engine: mid-compute or transfer
@@ -418,7 +418,7 @@ async def test_killed_prefill_worker_mid_transfer_its_requests_complete(
     victim.popen.kill()
     results = await asyncio.wait_for(asyncio.gather(*chats), 180)
     assert [t for t, _ in results] == [expected_long_prompts[q] for q in LONG_PROMPTS]
-    moved = _gateway_metric(endpoints, "pdserve:migrations_total", 'cause="prefill_failed"')
+    moved = _gateway_metric(endpoints, "pdserve:migrations_total", 'cause="prefill_lost"')
     assert moved - before >= 1
 
 
