@@ -103,7 +103,8 @@ def expected_short(make_engine, short_prompt) -> list[int]:
     return make_engine().generate([short_prompt], params)[0].token_ids
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+# tcp under -m slow: the default suite keeps one transport of this 20-second test
+@pytest.mark.parametrize("transport", ["shm", pytest.param("tcp", marks=pytest.mark.slow)])
 async def test_a_client_gone_after_half_a_second_costs_a_small_share_of_its_prefill(
     workers, default_tokenizer, short_prompt, expected_short, transport
 ) -> None:
