@@ -32,7 +32,7 @@ import grpc
 import structlog
 
 from services.common import rpc_faults
-from services.common.settings import setting
+from services.common.settings import read_secret, setting
 
 log = structlog.get_logger(__name__)
 
@@ -136,12 +136,7 @@ def load(args: ClusterAuthArgs) -> ClusterAuth:
         except OSError as e:
             raise ValueError(f"cannot read the {what} {path}: {e.strerror}") from None
 
-    token = args.cluster_token
-    raw = read(args.cluster_token_file, "cluster token file")
-    if raw is not None:
-        token = raw.decode().strip()
-        if not token:
-            raise ValueError(f"the cluster token file {args.cluster_token_file} is empty")
+    token = read_secret(args.cluster_token_file, "cluster token file") or args.cluster_token
     if not token and not args.insecure_cluster:
         raise ValueError(
             "no cluster token: give --cluster-token-file PATH or PDSERVE_CLUSTER_TOKEN (the "

@@ -400,9 +400,10 @@ class SchedulerServer:
         if config.placement_signing_key_file:
             signing_key = placement_token.load_signing_key(config.placement_signing_key_file)
         if config.redis_url:
-            password = read_secret(config.redis_password_file, "Redis password file")
-            if password is None:
-                password = config.redis_password
+            password = (
+                read_secret(config.redis_password_file, "Redis password file")
+                or config.redis_password
+            )
             if password is None:
                 log.warning(
                     "redis_unauthenticated",
