@@ -72,3 +72,10 @@ def start_service(
         stack.stop(grace=2.0)
         raise
     return ServiceProcess(stack, handle)
+
+
+def start_unscheduled(module: str, *args: str, **kw: object) -> ServiceProcess:
+    """``start_service`` for workers a test drives without a scheduler: nothing would sign
+    their placement tokens, so they run as an insecure cluster (the token and placement
+    checks are tested with a scheduler, in test_cluster_auth_e2e.py)."""
+    return start_service(module, *args, insecure=True, **kw)  # type: ignore[arg-type]

@@ -20,18 +20,10 @@ from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common import cluster_auth
 from services.launcher import free_port
 from tests.scrape import metric
-from tests.services.procs import ServiceProcess
-from tests.services.procs import start_service as _start_service
+from tests.services.procs import ServiceProcess, start_unscheduled
 
 STALL_MS = 2000
 TOKENS = 40
-
-
-def start_service(module: str, *args: str, **kw) -> ServiceProcess:
-    """The workers here run without a scheduler, so nothing would sign placement tokens:
-    they run as an insecure cluster (placement and the token are tested with a scheduler
-    in test_cluster_auth_e2e.py)."""
-    return _start_service(module, *args, insecure=True, **kw)
 
 
 @pytest.fixture(scope="module", params=["shm", "tcp", "mooncake"])
@@ -41,12 +33,12 @@ def workers(request):
     procs: dict[str, ServiceProcess] = {}
     ports = {"decode": free_port(), "prefill": free_port()}
     try:
-        procs["decode"] = start_service(
+        procs["decode"] = start_unscheduled(
             "services.decode", "--port", "0", "--transport", request.param,
             "--mooncake-protocol", "tcp", "--kv-cache-mib", "32", "--prefill-deadline-s", "8",
             "--metrics-port", str(ports["decode"]),
         )  # fmt: skip
-        procs["prefill"] = start_service(
+        procs["prefill"] = start_unscheduled(
             "services.prefill", "--port", "0", "--kv-cache-mib", "48",
             "--transports", "shm,tcp,mooncake", "--metrics-port", str(ports["prefill"]),
             env={"PDSERVE_FAULTS": f"stall_ms={STALL_MS}"},

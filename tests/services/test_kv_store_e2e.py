@@ -17,19 +17,11 @@ import pytest
 
 from kvstore.master_process import MooncakeMaster
 from tests.scrape import metric
-from tests.services.procs import ServiceProcess
-from tests.services.procs import start_service as _start_service
+from tests.services.procs import ServiceProcess, start_unscheduled
 from tests.services.test_workers_e2e import _free_port, _generate, _request
 
 KV_MIB = "48"
 BS = 16
-
-
-def start_service(module: str, *args: str, **kw) -> ServiceProcess:
-    """The workers here run without a scheduler, so nothing would sign placement tokens:
-    they run as an insecure cluster (placement and the token are tested with a scheduler
-    in test_cluster_auth_e2e.py)."""
-    return _start_service(module, *args, insecure=True, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +36,7 @@ def _store_flags(master: MooncakeMaster) -> list[str]:
 
 
 def _prefill(master: MooncakeMaster, metrics_port: int) -> ServiceProcess:
-    return start_service(
+    return start_unscheduled(
         "services.prefill", "--port", "0", "--kv-cache-mib", KV_MIB,
         "--metrics-port", str(metrics_port), *_store_flags(master),
     )  # fmt: skip
@@ -58,7 +50,7 @@ def workers(master: MooncakeMaster) -> Iterator[dict[str, tuple[ServiceProcess, 
             port = _free_port()
             procs[name] = (_prefill(master, port), port)
         port = _free_port()
-        decode = start_service(
+        decode = start_unscheduled(
             "services.decode", "--port", "0", "--kv-cache-mib", KV_MIB, "--transport", "shm",
             "--metrics-port", str(port), *_store_flags(master),
         )  # fmt: skip

@@ -20,7 +20,7 @@ from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common import cluster_auth
 from services.launcher import free_port
 from tests.scrape import metric
-from tests.services.procs import ServiceProcess, start_service
+from tests.services.procs import ServiceProcess, start_unscheduled
 
 CHUNK = 256  # the prefill worker's --prefill-token-budget
 PROMPT_TOKENS = 4096
@@ -39,16 +39,15 @@ def workers():
     try:
         for transport in ("shm", "tcp"):
             ports[transport] = free_port()
-            procs[transport] = start_service(
+            procs[transport] = start_unscheduled(
                 "services.decode", "--port", "0", "--transport", transport,
                 "--kv-cache-mib", "160", "--prefill-deadline-s", str(PREFILL_DEADLINE_S),
-                "--metrics-port", str(ports[transport]), insecure=True,
+                "--metrics-port", str(ports[transport]),
             )  # fmt: skip
         ports["prefill"] = free_port()
-        procs["prefill"] = start_service(
+        procs["prefill"] = start_unscheduled(
             "services.prefill", "--port", "0", "--kv-cache-mib", "160",
             "--prefill-token-budget", str(CHUNK), "--metrics-port", str(ports["prefill"]),
-            insecure=True,  # no scheduler signs placements here
         )  # fmt: skip
         yield procs, ports
     finally:

@@ -26,8 +26,7 @@ from services.common import cluster_auth
 from services.common.convert import handle_to_proto
 from services.common.grpc_errors import kv_fenced
 from tests.scrape import metric
-from tests.services.procs import ServiceProcess
-from tests.services.procs import start_service as _start_service
+from tests.services.procs import ServiceProcess, start_unscheduled
 from transfer.handle import KVLayout, MemoryRegionHandle
 from transfer.registry import get_transport
 
@@ -39,13 +38,6 @@ BLOCK_ALL_LAYERS = BLOCK_BYTES * 2 * 30  # K and V of every layer: what moving a
 # The decode workers' prefill deadline; with 2 s of grace, the KV lease of a failed prefill.
 PREFILL_DEADLINE_S = 10.0
 KV_MIB = "48"
-
-
-def start_service(module: str, *args: str, **kw) -> ServiceProcess:
-    """The workers here run without a scheduler, so nothing would sign placement tokens:
-    they run as an insecure cluster (placement and the token are tested with a scheduler
-    in test_cluster_auth_e2e.py)."""
-    return _start_service(module, *args, insecure=True, **kw)
 
 
 def _free_port() -> int:
@@ -67,13 +59,13 @@ def cluster():
             ("mooncake", ["--transport", "mooncake", "--mooncake-protocol", "tcp"]),
         ):
             ports[name] = _free_port()
-            procs[name] = start_service(
+            procs[name] = start_unscheduled(
                 "services.decode", "--port", "0", "--kv-cache-mib", KV_MIB,
                 "--prefill-deadline-s", str(PREFILL_DEADLINE_S),
                 "--metrics-port", str(ports[name]), *args,
             )  # fmt: skip
         ports["prefill"] = _free_port()
-        procs["prefill"] = start_service(
+        procs["prefill"] = start_unscheduled(
             "services.prefill", "--port", "0", "--kv-cache-mib", KV_MIB,
             "--metrics-port", str(ports["prefill"]), "--transports", "shm,tcp,mooncake",
         )  # fmt: skip
@@ -280,7 +272,7 @@ def test_a_decode_worker_removes_stale_kv_segments_at_start() -> None:
     )
     with ShmTransport() as transport:
         live = transport.register(layout)
-        worker = start_service(
+        worker = start_unscheduled(
             "services.decode", "--port", "0", "--kv-cache-mib", "16", "--transport", "shm"
         )
         try:
@@ -325,7 +317,7 @@ async def test_unreachable_prefill_worker_is_an_error_not_a_hang(cluster, prompt
 
 
 async def test_sigterm_drains_in_flight_streams_then_exits(prompts) -> None:
-    worker = start_service(
+    worker = start_unscheduled(
         "services.decode", "--role", "colocated", "--port", "0", "--kv-cache-mib", KV_MIB
     )
     try:
@@ -467,11 +459,11 @@ async def test_staged_workers_equal_colocated(prompts, expected) -> None:
     wait; the decode uploads what arrived), here with two CPU pools."""
     procs: list[ServiceProcess] = []
     try:
-        prefill = start_service("services.prefill", "--port", "0", "--kv-cache-mib", KV_MIB,
+        prefill = start_unscheduled("services.prefill", "--port", "0", "--kv-cache-mib", KV_MIB,
                                 "--kv-staging")  # fmt: skip
         procs.append(prefill)
         for transport in ("shm", "tcp"):
-            decode = start_service("services.decode", "--port", "0", "--kv-cache-mib", KV_MIB,
+            decode = start_unscheduled("services.decode", "--port", "0", "--kv-cache-mib", KV_MIB,
                                    "--transport", transport, "--kv-staging")  # fmt: skip
             procs.append(decode)
             results = await asyncio.gather(
@@ -498,10 +490,10 @@ async def test_float32_kv_workers_equal_colocated_and_refuse_a_float16_peer(
     want = [r.token_ids for r in make_engine(kv_cache_dtype="float32").generate(prompts, params)]
     procs: list[ServiceProcess] = []
     try:
-        prefill = start_service("services.prefill", "--port", "0", "--kv-cache-mib", KV_MIB,
+        prefill = start_unscheduled("services.prefill", "--port", "0", "--kv-cache-mib", KV_MIB,
                                 "--kv-cache-dtype", "float32")  # fmt: skip
         procs.append(prefill)
-        decode = start_service("services.decode", "--port", "0", "--kv-cache-mib", KV_MIB,
+        decode = start_unscheduled("services.decode", "--port", "0", "--kv-cache-mib", KV_MIB,
                                "--transport", "shm", "--kv-cache-dtype", "float32")  # fmt: skip
         procs.append(decode)
         ready = dict(part.split("=", 1) for part in decode.ready_line.split() if "=" in part)
