@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.sampling_params import SamplingParams
+from kernels import layer_ops
 
 # rand() can return exactly 0; clamping keeps E = -log(u) finite so no surviving token's
 # race score p / E can collapse to 0 (which could let a dropped token win a tie at 0).
@@ -133,7 +134,7 @@ class Sampler:
         # (that needs E < 1e-33, and the smallest E we draw is -log(1 - 2**-24) = 6e-8) and
         # adds under 1e-30 to any mass, so the clamp changes no outcome.
         weights.clamp_(min=_MIN_EXPONENT).exp_()
-        totals = weights.sum(dim=-1)
+        totals = _row_sums(weights)
 
         # Per-row loops of F.threshold_ below: a [rows, V] bool mask (masked_fill/where) costs
         # far more on CPU than thresholding each row against its own scalar.
@@ -151,7 +152,7 @@ class Sampler:
             # Top-p renormalises over the top-k survivors, so their mass is taken before min-p.
             # Summed row by row: a [rows, V] reduction may order the additions differently for
             # different batch shapes, and a seeded row's nucleus must not depend on the batch.
-            mass = torch.stack([weights[row].sum() for row in nucleus]).tolist()
+            mass = _row_sums(weights[nucleus]).tolist()
             limits = {row: params[row].top_p * m for row, m in zip(nucleus, mass, strict=True)}
 
         min_p = [p.min_p for p in params]
@@ -226,8 +227,19 @@ def _log_normaliser(logits: torch.Tensor) -> torch.Tensor:
     can be far wider.)"""
     top = logits.amax(dim=-1)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    total = (logits - top.unsqueeze(1)).clamp_(min=_MIN_EXPONENT).exp_().sum(dim=-1)
+    total = _row_sums((logits - top.unsqueeze(1)).clamp_(min=_MIN_EXPONENT).exp_())
     return total.log_().add_(top)
+
+
+def _row_sums(x: torch.Tensor) -> torch.Tensor:
+    """The sum of each row of ``x`` (``[B, V]``). torch's ``sum(dim=-1)`` splits a lone
+    row's reduction across threads but not a batch's rows, so a row's logprob (and top-p's
+    mass) would change in the last bits with the batch and the thread count. The compiled
+    op sums each row in one fixed order (on the CPU, where it is built); elsewhere torch's
+    sum serves."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and layer_ops.layer_ops_available():
+        return layer_ops.row_sums(x.contiguous())
+    return x.sum(dim=-1)
 
 
 def _just_below(values: torch.Tensor) -> list[float]:
@@ -254,9 +266,8 @@ def _restrict_to_nucleus(
     rows = list(limits)
     index = torch.tensor(rows, device=weights.device)
     winners = weights[index, token_ids[index]].tolist()
-    heavier = torch.stack(
-        [F.threshold(weights[row], w, 0.0).sum() for row, w in zip(rows, winners, strict=True)]
-    ).tolist()
+    above_winner = [F.threshold(weights[row], w, 0.0) for row, w in zip(rows, winners, strict=True)]
+    heavier = _row_sums(torch.stack(above_winner)).tolist()
     for row, winner, above in zip(rows, winners, heavier, strict=True):
         if above < limits[row]:
             continue

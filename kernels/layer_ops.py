@@ -52,6 +52,15 @@ def add_rms_norm(
     return out
 
 
+def row_sums(x: torch.Tensor) -> torch.Tensor:
+    """The sum of each row of ``x`` (``[B, V]``): ``[B]``, each row in one fixed order, so
+    the same bits whatever the batch or the thread count."""
+    _check_rows("x", x)
+    out = x.new_empty((x.shape[0],))
+    _EXTENSION.require().row_sums(out, x)
+    return out
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for fused ``[M, 2 I]`` rows (gate first): ``[M, I]``."""
     _check_rows("gate_up", gate_up)

@@ -13,6 +13,7 @@
 //   rope_write_kv(qkv, cos, sin, pos, k_pool, v_pool, blocks, offsets, Hq, Hkv)
 //       rotates q and k in place in the fused qkv rows, then stores k and v into the pool
 //       (a float32 pool, or a float16 one: rounded to nearest even, as torch's cast)
+//   row_sums(out, x)                      out[r] = the sum of row r, in one fixed order
 //
 // Shapes, dtypes and index ranges are checked by the Python launcher (kernels/layer_ops.py).
 #include <torch/extension.h>
@@ -159,9 +160,34 @@ void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                       Hkv);
 }
 
+// Each row of x [B, V] summed alone in a fixed order: 32 running sums (element i into sum
+// i % 32), added in order, then the tail. A row's sum is the same bits whatever the batch
+// and however many threads run (torch's sum of one long row splits it across threads).
+void row_sums(torch::Tensor out, torch::Tensor x) {
+  constexpr int64_t S = 32;
+  const int64_t B = x.size(0), V = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* row = xp + r * V;
+      float part[S] = {};
+      int64_t i = 0;
+      for (; i + S <= V; i += S)
+#pragma omp simd
+        for (int64_t j = 0; j < S; ++j) part[j] += row[i + j];
+      float sum = 0.f;
+      for (int64_t j = 0; j < S; ++j) sum += part[j];
+      for (; i < V; ++i) sum += row[i];
+      op[r] = sum;
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
   m.def("add_rms_norm", &add_rms_norm, "x += d, then RMSNorm of x (float32 rows)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up over fused gate|up rows");
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q and k in place, k and v into the pool");
+  m.def("row_sums", &row_sums, "the sum of each float32 row, in a fixed order");
 }
