@@ -66,6 +66,29 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def as_decode_rows(self) -> DecodeBatch:
+        """Every row of the batch as a decode row: a prefill chunk's row ``i`` is one query
+        over its sequence's first ``context_len + i + 1`` tokens (the chunk's keys and values
+        are in the pool before attention runs). Attention computed this way gives a token the
+        same numbers whether it came in a prompt, a chunk of one or a decode step: the
+        batch-invariant mode's attention."""
+        tables: list[torch.Tensor] = []
+        lens: list[torch.Tensor] = []
+        for seg in self.prefills:
+            tables.append(seg.block_table.unsqueeze(0).expand(seg.length, -1))
+            lens.append(torch.arange(seg.context_len + 1, seg.context_len + seg.length + 1))
+        if self.decode is not None:
+            tables.append(self.decode.block_tables)
+            lens.append(self.decode.context_lens)
+        width = max(t.shape[1] for t in tables)
+        table = torch.zeros((self.num_tokens, width), dtype=torch.int64)
+        row = 0
+        for t in tables:
+            table[row : row + t.shape[0], : t.shape[1]] = t
+            row += t.shape[0]
+        context_lens = torch.cat(lens)
+        return DecodeBatch(0, table, context_lens, int(context_lens.max()))
+
     def to(self, device: torch.device) -> ForwardBatch:
         """The same batch on ``device`` (itself when already there). The engine builds
         batches on the host and uploads each once per step, so every index check runs on

@@ -87,6 +87,9 @@ class EngineConfig:
     # the CPU halves the bytes every decode step reads (and the pool's footprint); attention
     # widens the stored values back to float32. Workers that exchange KV must agree on it.
     kv_cache_dtype: str = "auto"
+    # Every token computed the same way whatever shares its step (``LlamaModel``): needs
+    # packed quantized weights on the CPU. What makes a migrated stream continue exactly.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         device = resolve_device(self.device)
@@ -112,6 +115,11 @@ class EngineConfig:
         if self.weights not in WEIGHT_FORMATS:
             raise InvalidRequestError(
                 f"weights must be one of {list(WEIGHT_FORMATS)}, got {self.weights!r}"
+            )
+        if self.batch_invariant and (device.type != "cpu" or self.weights != "quantized"):
+            raise InvalidRequestError(
+                "batch_invariant runs packed quantized weights on the CPU, not "
+                f"weights={self.weights!r} on {device.type}"
             )
         if self.weights == "quantized" and self.dtype != "float32":
             raise InvalidRequestError(
@@ -247,6 +255,7 @@ class LLMEngine:
             cpu_kernels=config.cpu_kernels,
             device=self.device,
             triton_kernels=config.uses_triton,
+            batch_invariant=config.batch_invariant,
         )
         self.max_model_len = min(
             config.max_model_len or ckpt.config.max_position_embeddings,

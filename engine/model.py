@@ -20,14 +20,14 @@ import torch.nn.functional as F
 
 from engine.attention import Workspace, decode_attention, prefill_attention, write_kv
 from engine.config import ModelConfig
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import DecodeBatch, ForwardBatch
 from engine.gguf_loader import Weight
 from engine.kv_cache import KVCache
 from engine.rope import RotaryEmbedding
 from kernels import layer_ops
 from kernels.linear import PackedLinear
-from kernels.paged_attention import check_decode_ranges
-from kernels.quant_linear import QuantizedWeight, QuantLinear, dequantize_rows
+from kernels.paged_attention import check_decode_ranges, cpu_kernel_available
+from kernels.quant_linear import KERNEL_TYPES, QuantizedWeight, QuantLinear, dequantize_rows
 
 Linear = PackedLinear | QuantLinear
 
@@ -49,7 +49,7 @@ class _Stacked:
         return sum(part.nbytes for part in self.parts)
 
 
-def _linear(parts: list[Weight], pack: bool | None) -> Linear | _Stacked:
+def _linear(parts: list[Weight], pack: bool | None, kernel: str = "auto") -> Linear | _Stacked:
     """One product over the rows of ``parts`` stacked (q, k, v; gate, up)."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         dense = [p for p in parts if isinstance(p, torch.Tensor)]
@@ -57,21 +57,23 @@ def _linear(parts: list[Weight], pack: bool | None) -> Linear | _Stacked:
     packed = [p for p in parts if isinstance(p, QuantizedWeight)]
     if len(packed) == len(parts) and len({(p.qtype, p.shape[1]) for p in packed}) == 1:
         weight = QuantizedWeight.concat(packed) if len(packed) > 1 else packed[0]
-        return QuantLinear(weight)
-    return _Stacked([_linear([p], pack) for p in parts])  # type: ignore[misc]
+        return QuantLinear(weight, kernel=kernel)
+    return _Stacked([_linear([p], pack, kernel) for p in parts])  # type: ignore[misc]
 
 
 class _Layer:
     __slots__ = ("attn_norm", "down", "gate_up", "mlp_norm", "o", "qkv")
 
-    def __init__(self, t: dict[str, Weight], i: int, pack: bool | None) -> None:
+    def __init__(self, t: dict[str, Weight], i: int, pack: bool | None, kernel: str) -> None:
         p = f"model.layers.{i}."
         self.attn_norm = _dense(t[p + "input_layernorm.weight"])
         self.mlp_norm = _dense(t[p + "post_attention_layernorm.weight"])
-        self.qkv = _linear([t[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], pack)
-        self.o = _linear([t[p + "self_attn.o_proj.weight"]], pack)
-        self.gate_up = _linear([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]], pack)
-        self.down = _linear([t[p + "mlp.down_proj.weight"]], pack)
+        qkv = [t[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
+        self.qkv = _linear(qkv, pack, kernel)
+        self.o = _linear([t[p + "self_attn.o_proj.weight"]], pack, kernel)
+        gate_up = [t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]]
+        self.gate_up = _linear(gate_up, pack, kernel)
+        self.down = _linear([t[p + "mlp.down_proj.weight"]], pack, kernel)
 
     def linears(self) -> list[Linear]:
         out: list[Linear] = []
@@ -133,7 +135,18 @@ class LlamaModel:
     attention, never the packed oneDNN weights or the C++ attention kernel (both apply on
     the CPU only). ``triton_kernels`` runs decode attention and the KV store as the Triton
     kernels of ``kernels/triton`` (the CUDA path; on the CPU only under triton's
-    interpreter, which is how the tests run it)."""
+    interpreter, which is how the tests run it).
+
+    ``batch_invariant``: a token's keys, values and logits are the same bits whatever else
+    the step holds, and whether it came in a prompt (of any length, in any chunk, after
+    any cached prefix) or in a decode step. Every product runs the tiled quantized kernel,
+    whose row results do not depend on the batch (``kernels.quant_linear``), and every
+    token's attention runs the paged decode kernel as one query over its own context
+    (``ForwardBatch.as_decode_rows``); the layer ops are row by row already. So a prompt
+    plus the tokens decoded after it, prefilled again on any worker, gives the KV the
+    decode steps wrote: a migrated stream continues exactly (docs/operations.md). It
+    needs packed quantized weights for every product and the CPU kernels; ``ValueError``
+    says which is missing."""
 
     def __init__(
         self,
@@ -143,6 +156,7 @@ class LlamaModel:
         cpu_kernels: bool = True,
         device: torch.device | str = "cpu",
         triton_kernels: bool = False,
+        batch_invariant: bool = False,
     ) -> None:
         self.config = config
         self.device = torch.device(device)
@@ -154,14 +168,16 @@ class LlamaModel:
         self.cpu_kernels = cpu_kernels and on_cpu
         self.triton = _triton_ops() if triton_kernels else None
         pack = None if self.cpu_kernels else False  # None: PackedLinear packs where it can
+        self.batch_invariant = batch_invariant
+        kernel = "tiled" if batch_invariant else "auto"
         self.norm = _dense(tensors["model.norm.weight"])
         self.dtype = self.norm.dtype
         # A packed embedding is looked up row by row (``dequantize_rows``); a dense one is a
         # table. Tied heads share a packed embedding; a dense one gets its own packed copy.
         self.embed = tensors["model.embed_tokens.weight"]
         head = self.embed if config.tie_word_embeddings else tensors["lm_head.weight"]
-        self.lm_head = _linear([head], pack)
-        self.layers = [_Layer(tensors, i, pack) for i in range(config.num_layers)]
+        self.lm_head = _linear([head], pack, kernel)
+        self.layers = [_Layer(tensors, i, pack, kernel) for i in range(config.num_layers)]
         if self.dtype != torch.float32 and any(
             isinstance(t, QuantizedWeight) for t in tensors.values()
         ):
@@ -178,6 +194,24 @@ class LlamaModel:
             and self.dtype == torch.float32
             and layer_ops.layer_ops_available()
         )
+        if batch_invariant:
+            self._check_batch_invariant()
+
+    def _check_batch_invariant(self) -> None:
+        if not (self.fused and cpu_kernel_available()):
+            raise ValueError(
+                "batch-invariant mode runs the compiled CPU kernels in float32 (not "
+                f"{self.device.type} {self.dtype}, cpu_kernels={self.cpu_kernels}, or the "
+                "kernels did not build)"
+            )
+        linears = [self.lm_head, *(m for layer in self.layers for m in layer.linears())]
+        dense = sum(1 for m in linears if not isinstance(m, QuantLinear))
+        if dense:
+            raise ValueError(
+                f"batch-invariant mode needs every product on packed quantized weights "
+                f"(GGUF {', '.join(t.name for t in KERNEL_TYPES)}); {dense} of "
+                f"{len(linears)} are dense (load with weights='quantized')"
+            )
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Hugging Face normalises in float32 and casts back before the weight multiply.
@@ -244,6 +278,7 @@ class LlamaModel:
         cfg = self.config
         q_size, kv_size, hd, eps = cfg.q_size, cfg.kv_size, cfg.head_dim, self.eps
         rope = self.rope
+        rows = batch.as_decode_rows() if self.batch_invariant else None
         x = self._embed(batch.input_ids).contiguous()
         h = layer_ops.rms_norm(x, self.layers[0].attn_norm, eps)
         for i, layer in enumerate(self.layers):
@@ -258,7 +293,7 @@ class LlamaModel:
             q = qkv[:, :q_size].view(-1, cfg.num_heads, hd)
             k = qkv[:, q_size : q_size + kv_size].view(-1, cfg.num_kv_heads, hd)
             v = qkv[:, q_size + kv_size :].view(-1, cfg.num_kv_heads, hd)
-            attn = self._attention(q, k, v, k_pool, v_pool, batch, ranges_checked=True)
+            attn = self._attention(q, k, v, k_pool, v_pool, batch, rows, ranges_checked=True)
             h = layer_ops.add_rms_norm(x, layer.o(attn), layer.mlp_norm, eps)
             down = layer.down(layer_ops.silu_mul(layer.gate_up(h)))
             last = i + 1 == len(self.layers)
@@ -291,9 +326,17 @@ class LlamaModel:
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
         batch: ForwardBatch,
+        rows: DecodeBatch | None = None,
         *,
         ranges_checked: bool = False,
     ) -> torch.Tensor:
+        """Attention of every row of ``batch``. ``rows``: the batch as decode rows
+        (batch-invariant mode), each row one query of the paged decode kernel."""
+        if rows is not None:
+            out = decode_attention(
+                q, k_pool, v_pool, rows, self.scale, ranges_checked=ranges_checked
+            )
+            return out.reshape(out.shape[0], -1)
         outs: list[torch.Tensor] = []
         for seg in batch.prefills:
             sl = slice(seg.start, seg.start + seg.length)

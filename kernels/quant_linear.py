@@ -193,14 +193,15 @@ class QuantLinear:
     copy of the weight outlives a call (a long prompt's product dequantizes a panel of at
     most ``GEMM_PANEL_BYTES``), so a quantized model holds only its blocks."""
 
-    __slots__ = ("in_features", "out_features", "weight")
+    __slots__ = ("in_features", "kernel", "out_features", "weight")
 
-    def __init__(self, weight: QuantizedWeight) -> None:
+    def __init__(self, weight: QuantizedWeight, *, kernel: str = "auto") -> None:
         self.weight = weight
+        self.kernel = kernel
         self.out_features, self.in_features = weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return qlinear(x, self.weight)
+        return qlinear(x, self.weight, kernel=self.kernel)
 
     def dense(self) -> torch.Tensor:
         return dequantize(self.weight)

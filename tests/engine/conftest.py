@@ -19,6 +19,12 @@ def default_checkpoint() -> Checkpoint:
 
 
 @pytest.fixture(scope="session")
+def quantized_checkpoint() -> Checkpoint:
+    """The default model with its GGUF's quantized tensors kept as packed blocks."""
+    return load_checkpoint(quantized=True)
+
+
+@pytest.fixture(scope="session")
 def default_tokenizer(default_checkpoint: Checkpoint) -> Tokenizer:
     return Tokenizer.from_path(default_checkpoint.path)
 

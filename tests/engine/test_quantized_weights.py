@@ -29,11 +29,6 @@ GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def quantized_checkpoint() -> Checkpoint:
-    return load_checkpoint(quantized=True)
-
-
-@pytest.fixture(scope="module")
 def make_quantized(
     quantized_checkpoint: Checkpoint, default_tokenizer: Tokenizer
 ) -> Callable[..., LLMEngine]:
