@@ -82,6 +82,14 @@ class EngineArgs:
         "use the compiled CPU kernels (oneDNN packed linears, C++ paged attention) where "
         "they apply; --no-cpu-kernels: the torch reference only",
     )
+    batch_invariant: bool = setting(
+        False,
+        "compute every token the same way whatever shares its step, prompt or decode: "
+        "a migrated stream, prefilled again on another worker, then continues with the "
+        "same logits bit for bit (so seeded sampling continues exactly too). Loads packed "
+        "quantized weights in every role, on the CPU (docs/operations.md, 'Migration'). "
+        "Every worker of a cluster must agree on it",
+    )
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_mib", "max_num_seqs"):
@@ -106,6 +114,15 @@ class EngineArgs:
                 "--kv-cache-dtype float16 needs float32 compute on the CPU (on cuda, --dtype "
                 "float16 stores KV in float16)"
             )
+        if self.batch_invariant and (
+            self.weights == "float32"
+            or self.dtype not in ("auto", "float32")
+            or self.device.startswith("cuda")
+        ):
+            raise ValueError(
+                "--batch-invariant runs packed quantized weights in float32 on the CPU "
+                f"(not --weights {self.weights}, --dtype {self.dtype}, --device {self.device})"
+            )
         if self.kv_cache_dtype == "float32" and self.dtype in ("bfloat16", "float16"):
             raise ValueError(f"--kv-cache-dtype float32 needs float32 compute, not {self.dtype}")
         if self.chunked_prefill < 0:
@@ -118,6 +135,8 @@ class EngineArgs:
             return self.weights
         if device != "cpu" or dtype != "float32":
             return "float32"  # packed weights run on the CPU, in float32 only
+        if self.batch_invariant:
+            return "quantized"  # the prefill must run the decode's kernels
         return AUTO_WEIGHTS[role]
 
     def kv_dtype(self, device: str, dtype: str) -> str:
@@ -155,4 +174,5 @@ class EngineArgs:
             kv_staging=self.kv_staging,
             weights=self.weight_format(role, device.type, dtype),
             kv_cache_dtype=self.kv_dtype(device.type, dtype),
+            batch_invariant=self.batch_invariant,
         )

@@ -115,3 +115,16 @@ def test_a_pinned_engine_gets_one_thread_per_core_unless_told() -> None:
 def test_impossible_settings_are_refused(kwargs: dict[str, int], needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         EngineArgs(**kwargs)  # type: ignore[arg-type]
+
+
+def test_batch_invariant_loads_packed_weights_in_every_role_on_the_cpu() -> None:
+    args = EngineArgs(batch_invariant=True)
+    assert {args.weight_format(role, "cpu", "float32") for role in AUTO_ROLES} == {"quantized"}
+    assert args.engine_config(role="prefill").batch_invariant
+    assert not EngineArgs().engine_config(role="prefill").batch_invariant
+    for bad in ({"weights": "float32"}, {"device": "cuda"}, {"dtype": "bfloat16"}):
+        with pytest.raises(ValueError, match="--batch-invariant runs packed quantized"):
+            EngineArgs(batch_invariant=True, **bad)  # type: ignore[arg-type]
+
+
+AUTO_ROLES = ("prefill", "decode", "colocated")
