@@ -111,6 +111,7 @@ class BenchConfig:
     seed: int
     model: str | None
     kv_cache_dtype: str = "auto"  # pdserve's KV pool (auto: --dtype)
+    batch_invariant: bool = False  # pdserve's engines in batch-invariant mode
 
     def __post_init__(self) -> None:
         positive = {
@@ -132,6 +133,8 @@ class BenchConfig:
             raise ValueError(f"weights must be among {WEIGHT_FORMATS}, got {sorted(unknown)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.batch_invariant and self.weights != ("quantized",):
+            raise ValueError("--batch-invariant runs the quantized weights only")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -607,6 +610,7 @@ def run_threads(cfg: BenchConfig, threads: int) -> ThreadResult:
                 num_threads=threads,
                 weights=weights,
                 kv_cache_dtype=cfg.kv_cache_dtype,
+                batch_invariant=cfg.batch_invariant,
             ),
             # The dense checkpoint is float32's weights as they are; any other format is
             # loaded by the engine itself, from the file, the way it holds that format.
@@ -790,6 +794,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=("auto", "float32", "float16"),
         help="pdserve's KV pool dtype (default: auto, the --dtype)",
     )
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="pdserve's engines in batch-invariant mode (with --weights quantized)",
+    )
     p.add_argument("--model", default=None, help="checkpoint path (default: SmolLM2-135M GGUF)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--json", metavar="OUT", help="write results to this JSON file")
@@ -825,6 +834,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         model=args.model,
         kv_cache_dtype=args.kv_cache_dtype,
+        batch_invariant=args.batch_invariant,
     )
 
 
