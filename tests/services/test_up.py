@@ -256,13 +256,14 @@ def test_kill_9_of_pdserve_up_leaves_no_process_of_its_stack(tmp_path) -> None:
         assert len(stack) >= 5, stack  # redis, the store's master, scheduler, worker, gateway
         up.kill()
         up.wait(5)
+        # Then nothing listens on the gateway's port any more: no grandchild kept the
+        # listening socket. (Read from the kernel's socket table, not probed: a connect to a
+        # closed local port can connect to itself. And waited for: a killed process's main
+        # thread is a zombie while its other threads still exit, holding its sockets.)
         deadline = time.monotonic() + 10
-        while any(_alive(p) for p in stack) and time.monotonic() < deadline:
+        while (any(_alive(p) for p in stack) or _listeners(http)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [p for p in stack if _alive(p)]
-        # Nothing listens on the gateway's port any more: no grandchild kept the listening
-        # socket. (Read from the kernel's socket table, not probed: a connect to a closed local
-        # port can connect to itself, and a bind can meet another process's outgoing connection.)
         assert not _listeners(http), _listeners(http)
     finally:
         if up.poll() is None:
