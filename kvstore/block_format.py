@@ -1,9 +1,13 @@
 """How one full KV block is named and laid out as a store object.
 
-A key names everything that decides a block's bytes, so two models, two layouts or two
-dtypes never share an entry::
+A key names everything that decides a block's bytes, so two models, two layouts, two
+dtypes or two ways of computing never share an entry::
 
-    pdserve/kv1/<model digest>/<layers>x<block size>x<kv heads>x<head dim>/<dtype>/<hash>
+    pdserve/kv1/<model digest>/<layers>x<block size>x<kv heads>x<head dim>/<dtype>/<recipe>/<hash>
+
+``<recipe>`` is ``default`` or ``batch-invariant`` (``engine.model``): the two compute the
+same tokens' KV with different last bits, and a batch-invariant worker that loaded a default
+one's block would no longer continue a migrated stream exactly.
 
 ``<hash>`` is the block's chained content hash (``engine.block_hash``): the whole token prefix
 up to and including the block. ``<model digest>`` is ``engine.checkpoint.model_digest``.
@@ -47,9 +51,12 @@ class BlockFormat:
     head_dim: int
     dtype: str  # torch dtype name without "torch.", e.g. "float16"
     itemsize: int
+    recipe: str = "default"  # or "batch-invariant": how the engine computed the KV
 
     @classmethod
-    def for_pool(cls, spec: KVCacheSpec, model_digest: str) -> BlockFormat:
+    def for_pool(
+        cls, spec: KVCacheSpec, model_digest: str, *, batch_invariant: bool = False
+    ) -> BlockFormat:
         return cls(
             model_digest=model_digest,
             num_layers=spec.num_layers,
@@ -58,13 +65,14 @@ class BlockFormat:
             head_dim=spec.head_dim,
             dtype=str(spec.dtype).removeprefix("torch."),
             itemsize=spec.itemsize,
+            recipe="batch-invariant" if batch_invariant else "default",
         )
 
     @property
     def prefix(self) -> str:
-        """Every key of this format starts with it (one model, layout and dtype)."""
+        """Every key of this format starts with it (one model, layout, dtype and recipe)."""
         shape = f"{self.num_layers}x{self.block_size}x{self.num_kv_heads}x{self.head_dim}"
-        return f"pdserve/kv{VERSION}/{self.model_digest}/{shape}/{self.dtype}/"
+        return f"pdserve/kv{VERSION}/{self.model_digest}/{shape}/{self.dtype}/{self.recipe}/"
 
     def key(self, block_hash: int) -> str:
         return f"{self.prefix}{block_hash:016x}"
@@ -84,7 +92,7 @@ class BlockFormat:
 
     @property
     def layout_digest(self) -> int:
-        """64 bits naming the prefix (model, layout, dtype), for the header."""
+        """64 bits naming the prefix (model, layout, dtype, recipe), for the header."""
         digest = hashlib.blake2b(self.prefix.encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little")
 
@@ -100,7 +108,7 @@ class BlockFormat:
         if magic != MAGIC or version != VERSION:
             raise BlockMismatch(f"not a pdserve KV block (magic {magic!r}, version {version})")
         if layout != self.layout_digest:
-            raise BlockMismatch("block of another model, layout or dtype")
+            raise BlockMismatch("block of another model, layout, dtype or recipe")
         if found != block_hash:
             raise BlockMismatch(f"block {found:016x} stored under the key of {block_hash:016x}")
         if payload != self.payload_bytes:

@@ -99,7 +99,9 @@ class StoreLink:
             ssd_dir=args.kv_store_ssd_dir or "",
             replicas=args.kv_store_replicas,
         )
-        fmt = BlockFormat.for_pool(eng.kv_spec, eng.model_digest)
+        fmt = BlockFormat.for_pool(
+            eng.kv_spec, eng.model_digest, batch_invariant=eng.config.batch_invariant
+        )
         return KVStore(
             MooncakeBackend(options), fmt, write_buffer_bytes=args.kv_store_write_buffer_mib << 20
         )

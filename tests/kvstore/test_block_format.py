@@ -20,13 +20,18 @@ def _fmt(**changes: object) -> BlockFormat:
     return dataclasses.replace(fmt, **changes)  # type: ignore[arg-type]
 
 
-def test_keys_name_model_layout_dtype_and_hash() -> None:
+def test_keys_name_model_layout_dtype_recipe_and_hash() -> None:
     fmt = _fmt()
-    assert fmt.key(0xAB) == "pdserve/kv1/0123456789abcdef/2x16x3x8/float16/00000000000000ab"
+    assert fmt.key(0xAB) == "pdserve/kv1/0123456789abcdef/2x16x3x8/float16/default/00000000000000ab"
+    invariant = BlockFormat.for_pool(SPEC, "0123456789abcdef", batch_invariant=True)
+    assert invariant.key(0xAB).endswith("/float16/batch-invariant/00000000000000ab")
     others = [_fmt(model_digest="f" * 16), _fmt(block_size=32), _fmt(num_layers=3),
-              _fmt(dtype="float32", itemsize=4), _fmt(head_dim=16)]  # fmt: skip
-    assert len({fmt.key(1), *(o.key(1) for o in others)}) == 6
+              _fmt(dtype="float32", itemsize=4), _fmt(head_dim=16), invariant]  # fmt: skip
+    assert len({fmt.key(1), *(o.key(1) for o in others)}) == 7
     assert fmt.key(1) != fmt.key(2)
+    # a block of the other recipe under this recipe's key is refused by its header
+    with pytest.raises(BlockMismatch, match="another model"):
+        fmt.check(invariant.header(7), 7, fmt.object_bytes)
 
 
 def test_an_object_is_a_header_and_every_layers_keys_and_values() -> None:
