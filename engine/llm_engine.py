@@ -304,7 +304,7 @@ class LLMEngine:
             ),
             self.blocks,
         )
-        self.runner = ModelRunner(self.model, self.kv)
+        self.runner = ModelRunner(self.model, self.kv, self.tokenizer.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer, self.tokenizer.eos_token_ids)
         self._ids = itertools.count()
         self.num_preemptions = 0

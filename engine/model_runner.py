@@ -7,12 +7,13 @@ a token for each sequence whose step reached its end.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
+from engine import penalties
 from engine.forward_batch import DecodeBatch, ForwardBatch, PrefillSegment
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel
@@ -101,11 +102,12 @@ def _is_decode(it: ScheduledSeq) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVCache) -> None:
+    def __init__(self, model: LlamaModel, kv: KVCache, eos_token_ids: Collection[int] = ()) -> None:
         self.model = model
         self.kv = kv
         self.sampler = Sampler()
         self.block_size = kv.spec.block_size
+        self.eos_token_ids = frozenset(eos_token_ids)  # what min_tokens bars
 
     def execute(
         self, items: Seq[ScheduledSeq], on_layer_kv: Callable[[int], None] | None = None
@@ -119,10 +121,14 @@ class ModelRunner:
         if not sampling:
             return []
         logits = self.model.compute_logits(hidden)
+        rows = [penalties.Row(it.seq.params, it.seq.prompt_ids, it.seq.output_ids)
+                for it in sampling]  # fmt: skip
+        changed = penalties.apply(logits, rows, self.eos_token_ids)
         out = self.sampler(
-            logits,
+            changed,
             [it.seq.params for it in sampling],
             [it.seq.generator for it in sampling],
+            raw_logits=logits,
         )
         # The step's one read of the device: ids and logprobs in one copy (float64 holds
         # every token id and float32 logprob exactly).

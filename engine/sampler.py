@@ -70,12 +70,15 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        raw_logits: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """Pick one token per row of ``logits`` (``[B, V]`` float32).
 
         ``params[i]`` and ``generators[i]`` belong to row ``i``. Greedy rows take the argmax
         (lowest id on ties) and draw no random numbers; every other row draws exactly ``V``
         uniforms from ``generators[i]`` (or the shared default generator when ``None``).
+        ``raw_logits``: the model's logits before penalties and biases (``engine.penalties``)
+        made ``logits``; logprobs are taken under them (default: ``logits``).
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
@@ -87,7 +90,13 @@ class Sampler:
         logits = logits.float()
         sampled = [row for row, p in enumerate(params) if not p.greedy]
         # Rows at temperature 1 get the raw softmax normaliser from the sampler's own weights.
-        known_norm = [row for row in sampled if params[row].temperature == 1.0]
+        # rows whose sampling weights' total is also the raw softmax's normaliser
+        known_norm = [
+            row
+            for row in sampled
+            if params[row].temperature == 1.0
+            and (raw_logits is None or not params[row].changes_logits)
+        ]
         if not sampled:
             token_ids = torch.argmax(logits, dim=-1)
             totals = None
@@ -106,8 +115,9 @@ class Sampler:
             )
             totals = torch.ones(batch, dtype=torch.float32, device=logits.device)
             totals[rows] = sampled_totals
+        raw = logits if raw_logits is None else raw_logits.float()
         return SamplerOutput(
-            token_ids=token_ids, logprobs=_raw_logprobs(logits, token_ids, totals, known_norm)
+            token_ids=token_ids, logprobs=_raw_logprobs(raw, token_ids, totals, known_norm)
         )
 
     def _sample(

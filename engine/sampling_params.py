@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
 
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 _MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts up to an unsigned 64-bit value
 
 
@@ -36,6 +37,14 @@ class SamplingParams:
     ``temperature == 0`` means greedy (argmax); ``top_k`` of 0 or -1 disables top-k;
     ``top_p == 1`` disables nucleus filtering; ``min_p == 0`` disables min-p. Stop strings are
     cut from the output; ``stop_token_ids`` end the request like EOS does.
+
+    What changes the logits before any of that (``engine.penalties``, in this order):
+    ``min_tokens`` (EOS and ``stop_token_ids`` are barred until that many tokens are out),
+    ``logit_bias`` (``(token id, bias)`` pairs, added), ``repetition_penalty`` (a token in
+    the prompt or the output so far: a positive logit divided by it, a negative one
+    multiplied; 1 disables it), ``frequency_penalty`` and ``presence_penalty`` (subtracted
+    per occurrence in the output so far, and once if it occurs at all; 0 disables them).
+    A dict given as ``logit_bias`` is stored as sorted pairs.
     """
 
     max_tokens: int = 16
@@ -48,6 +57,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens <= 0:
@@ -76,6 +90,18 @@ class SamplingParams:
             raise _bad("ignore_eos", self.ignore_eos, "must be a boolean")
         if not isinstance(self.logprobs, bool):
             raise _bad("logprobs", self.logprobs, "must be a boolean")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise _bad(name, value, "must be a number in [-2, 2]")
+            object.__setattr__(self, name, float(value))
+        rep = self.repetition_penalty
+        if not _is_number(rep) or not math.isfinite(rep) or rep <= 0:
+            raise _bad("repetition_penalty", rep, "must be a finite number > 0 (1 disables it)")
+        object.__setattr__(self, "repetition_penalty", float(rep))
+        object.__setattr__(self, "logit_bias", self._normalise_bias(self.logit_bias))
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise _bad("min_tokens", self.min_tokens, "must be an integer in [0, max_tokens]")
 
     @staticmethod
     def _normalise_stop(stop: object) -> tuple[str, ...]:
@@ -99,6 +125,37 @@ class SamplingParams:
                 raise _bad("stop_token_ids", ids, f"entry {entry!r} is not an integer >= 0")
         return tuple(ids)
 
+    @staticmethod
+    def _normalise_bias(bias: object) -> tuple[tuple[int, float], ...]:
+        items = bias.items() if isinstance(bias, Mapping) else bias
+        if isinstance(items, str | bytes) or not isinstance(items, Iterable):
+            raise _bad("logit_bias", bias, "must map token ids to numbers")
+        pairs = list(items)
+        if len(pairs) > MAX_LOGIT_BIAS:
+            raise _bad("logit_bias", f"{len(pairs)} entries", f"at most {MAX_LOGIT_BIAS}")
+        out: dict[int, float] = {}
+        for pair in pairs:
+            if not isinstance(pair, Sequence) or len(pair) != 2:
+                raise _bad("logit_bias", bias, f"entry {pair!r} is not a (token id, bias) pair")
+            token, value = pair
+            if not _is_int(token) or token < 0:
+                raise _bad("logit_bias", bias, f"token id {token!r} is not an integer >= 0")
+            if not _is_number(value) or not -100.0 <= value <= 100.0:
+                raise _bad("logit_bias", bias, f"bias {value!r} is not a number in [-100, 100]")
+            out[token] = float(value)
+        return tuple(sorted(out.items()))
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether a penalty, a bias or ``min_tokens`` applies (``engine.penalties``)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
+
     @property
     def greedy(self) -> bool:
         """True when tokens are picked by argmax (temperature 0); filters are then moot."""
@@ -108,7 +165,8 @@ class SamplingParams:
         """Raise ``InvalidRequestError`` if these parameters cannot apply to this prompt/model.
 
         Rejects an empty prompt, ``max_tokens`` above the context length, a prompt plus
-        ``max_tokens`` that overflows the context, and stop token ids outside the vocabulary.
+        ``max_tokens`` that overflows the context, and stop token ids or ``logit_bias`` ids
+        outside the vocabulary.
         """
         if prompt_len <= 0:
             raise InvalidRequestError(f"prompt_len={prompt_len}: the prompt must not be empty")
@@ -125,4 +183,11 @@ class SamplingParams:
                     "stop_token_ids",
                     self.stop_token_ids,
                     f"id {token_id} is outside the vocabulary (vocab_size={vocab_size})",
+                )
+        for token_id, _ in self.logit_bias:
+            if token_id >= vocab_size:
+                raise _bad(
+                    "logit_bias",
+                    dict(self.logit_bias),
+                    f"token id {token_id} is outside the vocabulary (vocab_size={vocab_size})",
                 )
