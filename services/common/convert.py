@@ -25,7 +25,13 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         "stop_token_ids": tuple(p.stop_token_ids),
         "ignore_eos": p.ignore_eos,
         "logprobs": p.logprobs,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "min_tokens": p.min_tokens,
+        "logit_bias": dict(p.logit_bias),
     }
+    if p.HasField("repetition_penalty"):
+        kwargs["repetition_penalty"] = p.repetition_penalty
     if p.HasField("max_tokens"):
         kwargs["max_tokens"] = p.max_tokens
     if p.HasField("temperature"):
@@ -48,7 +54,13 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
         stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        min_tokens=s.min_tokens,
+        logit_bias=dict(s.logit_bias),
     )
+    if s.repetition_penalty != 1.0:
+        p.repetition_penalty = s.repetition_penalty
     if s.seed is not None:
         p.seed = s.seed
     return p

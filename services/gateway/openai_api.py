@@ -7,14 +7,16 @@ an ``ApiError`` carrying the HTTP status and OpenAI's error object
 ``{"error": {"message", "type", "param", "code"}}``.
 
 Supported (OpenAI names, plus vLLM's ``top_k``, ``min_p``, ``stop_token_ids``,
-``ignore_eos``): ``model``, ``prompt`` (a string, a list of token ids, or a one-element list
-of either), ``messages`` (``content`` a string or a list of ``{"type": "text"}`` parts),
-``max_tokens`` (chat: also ``max_completion_tokens``, which wins), ``temperature``,
-``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``, ``logprobs``
-(the sampled tokens' log-probabilities; top alternatives are not computed, so completions'
+``ignore_eos``, ``repetition_penalty``, ``min_tokens``): ``model``, ``prompt`` (a string, a
+list of token ids, or a one-element list of either), ``messages`` (``content`` a string or a
+list of ``{"type": "text"}`` parts), ``max_tokens`` (chat: also ``max_completion_tokens``,
+which wins), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
+``stream_options.include_usage``, ``presence_penalty``, ``frequency_penalty``,
+``logit_bias`` (``engine.penalties``), ``logprobs`` (the sampled tokens' log-probabilities
+under the model's raw distribution; top alternatives are not computed, so completions'
 ``logprobs`` > 0 and chat's ``top_logprobs`` > 0 are rejected). ``n`` and ``best_of`` must
-be 1; ``echo``, ``suffix``, penalties, ``logit_bias`` and tools are rejected when they
-would change the output. ``user`` and fields we do not know are ignored.
+be 1; ``echo``, ``suffix`` and tools are rejected when they would change the output.
+``user`` and fields we do not know are ignored.
 
 Defaults: ``max_tokens`` is 16 for completions (OpenAI's) and, for chat, the rest of the
 context capped at ``Limits.default_chat_max_tokens`` (1024 unless configured).
@@ -286,19 +288,23 @@ def _reject_unsupported(body: _Body) -> None:
         v = body.integer(name)
         if v is not None and v != 1:
             raise bad_request(f"'{name}'={v} is not supported: only 1 choice per request.", name)
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = body.number(name)
-        if v:
-            raise bad_request(f"'{name}' is not supported (only 0).", name)
-    v = body.number("repetition_penalty")
-    if v is not None and v != 1:
-        raise bad_request("'repetition_penalty' is not supported (only 1).", "repetition_penalty")
+
+
+def _logit_bias(body: _Body) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: token ids (as JSON object keys, so strings) to numbers."""
     bias = body.get("logit_bias")
-    if bias is not None:
-        if not isinstance(bias, dict):
-            raise _wrong_type("logit_bias", "an object", bias)
-        if bias:
-            raise bad_request("'logit_bias' is not supported.", "logit_bias")
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise _wrong_type("logit_bias", "an object mapping token ids to numbers", bias)
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise bad_request(f"'logit_bias' keys are token ids; got {key!r}.", "logit_bias")
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise _wrong_type(f"logit_bias[{key!r}]", "a number", value)
+        out[int(key)] = value
+    return out
 
 
 def _stop(body: _Body) -> tuple[str, ...]:
@@ -335,12 +341,20 @@ def _sampling(body: _Body, max_tokens: int | None, logprobs: bool) -> SamplingPa
     min_p = body.number("min_p")
     top_k = body.integer("top_k")
     seed = body.integer("seed")
-    for name, value in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p)):
+    presence = body.number("presence_penalty")
+    frequency = body.number("frequency_penalty")
+    repetition = body.number("repetition_penalty")
+    min_tokens = body.integer("min_tokens", minimum=0)
+    numbers = (("temperature", temperature), ("top_p", top_p), ("min_p", min_p),
+               ("presence_penalty", presence), ("frequency_penalty", frequency),
+               ("repetition_penalty", repetition))  # fmt: skip
+    for name, value in numbers:
         if value is not None and not math.isfinite(value):
             raise bad_request(f"'{name}' must be a finite number.", name)
     try:
         return SamplingParams(
-            max_tokens=1 if max_tokens is None else max_tokens,
+            # provisional when absent: the prepare step sets it (and checks min_tokens again)
+            max_tokens=max(1, min_tokens or 0) if max_tokens is None else max_tokens,
             temperature=1.0 if temperature is None else temperature,
             top_p=1.0 if top_p is None else top_p,
             top_k=0 if top_k is None else top_k,
@@ -350,6 +364,11 @@ def _sampling(body: _Body, max_tokens: int | None, logprobs: bool) -> SamplingPa
             stop_token_ids=_stop_token_ids(body),
             ignore_eos=body.flag("ignore_eos"),
             logprobs=logprobs,
+            presence_penalty=presence or 0.0,
+            frequency_penalty=frequency or 0.0,
+            repetition_penalty=1.0 if repetition is None else repetition,
+            logit_bias=_logit_bias(body),
+            min_tokens=min_tokens or 0,
         )
     except InvalidRequestError as exc:
         raise from_engine_error(exc) from None
@@ -581,6 +600,13 @@ def _finish(
     return GenerateInput(request_id, ids, params, model.name)
 
 
+def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
+    try:
+        return dataclasses.replace(params, max_tokens=max_tokens)
+    except InvalidRequestError as exc:  # min_tokens above the default max_tokens
+        raise from_engine_error(exc) from None
+
+
 def prepare_completion(
     req: CompletionRequest, model: ServedModel, request_id: str, limits: Limits
 ) -> GenerateInput:
@@ -593,7 +619,7 @@ def prepare_completion(
     except InvalidRequestError as exc:
         raise bad_request(str(exc), "prompt") from None
     max_tokens = req.max_tokens if req.max_tokens is not None else limits.default_max_tokens
-    params = dataclasses.replace(req.params, max_tokens=max_tokens)
+    params = _with_max_tokens(req.params, max_tokens)
     return _finish(request_id, model, ids, params, "prompt")
 
 
@@ -609,7 +635,7 @@ def prepare_chat(
     max_tokens = req.max_tokens
     if max_tokens is None:
         max_tokens = max(1, min(limits.default_chat_max_tokens, model.max_model_len - len(ids)))
-    params = dataclasses.replace(req.params, max_tokens=max_tokens)
+    params = _with_max_tokens(req.params, max_tokens)
     return _finish(request_id, model, ids, params, "messages")
 
 

@@ -127,6 +127,28 @@ def expected(make_engine, prompts) -> list[list[int]]:
     return [r.token_ids for r in make_engine().generate(prompts, params)]
 
 
+async def test_penalties_bias_and_min_tokens_cross_the_workers(
+    cluster, prompts, make_engine
+) -> None:
+    """The prefill worker samples the first token and the decode worker the rest, both with
+    the request's penalties, bias and min_tokens: the colocated engine's tokens."""
+    procs, _ = cluster
+    changes = {"presence_penalty": 0.6, "frequency_penalty": 0.4, "repetition_penalty": 1.3,
+               "logit_bias": {13: -5.0, 30: 2.0}, "min_tokens": 6}  # fmt: skip
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, **changes)
+    want = [r.token_ids for r in make_engine().generate(prompts[:2], params)]
+    got = await asyncio.gather(
+        *(
+            _generate(procs["shm"].address, _request(f"pen-{i}", ids, procs["prefill"].address,
+                                                     **changes))
+            for i, ids in enumerate(prompts[:2])
+        )
+    )  # fmt: skip
+    assert [toks for toks, _ in got] == want
+    plain = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    assert want != [r.token_ids for r in make_engine().generate(prompts[:2], plain)]
+
+
 @pytest.mark.parametrize("transport", ["shm", "tcp", "mooncake"])
 async def test_disaggregated_equals_colocated(cluster, prompts, expected, transport) -> None:
     procs, ports = cluster

@@ -151,9 +151,16 @@ def test_model_missing_mistyped_unknown(parse) -> None:
         ({"logprobs": 2}, "logprobs", "use logprobs=0"),
         ({"logprobs": 9}, "logprobs", "at most 5"),
         ({"logprobs": True}, "logprobs", "expected an integer"),
-        ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "in [-2, 2]"),
         ({"frequency_penalty": "x"}, "frequency_penalty", "expected a number"),
-        ({"logit_bias": {"5": 100}}, "logit_bias", "not supported"),
+        ({"frequency_penalty": -3}, "frequency_penalty", "in [-2, 2]"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "> 0"),
+        ({"logit_bias": [1]}, "logit_bias", "an object mapping token ids"),
+        ({"logit_bias": {"x": 1}}, "logit_bias", "keys are token ids"),
+        ({"logit_bias": {"5": "1"}}, "logit_bias['5']", "expected a number"),
+        ({"logit_bias": {"5": 101}}, "logit_bias", "in [-100, 100]"),
+        ({"min_tokens": -1}, "min_tokens", "less than the minimum"),
+        ({"min_tokens": 9, "max_tokens": 4}, "min_tokens", "[0, max_tokens]"),
     ],
 )
 def test_completion_field_errors(fields: dict, param: str, needle: str) -> None:
@@ -196,6 +203,18 @@ def test_completion_accepts_the_openai_shapes() -> None:
     plain = parse_completion(_cmpl(), MODELS)
     assert (plain.max_tokens, plain.stream, plain.params.logprobs) == (None, False, False)
     assert plain.params.temperature == 1.0
+
+
+def test_penalties_bias_and_min_tokens_reach_the_sampling_params() -> None:
+    r = parse_completion(
+        _cmpl(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.3,
+              logit_bias={"7": -100, "3": 2.5}, min_tokens=3),
+        MODELS,
+    )  # fmt: skip
+    p = r.params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1.0, 1.3)
+    assert p.logit_bias == ((3, 2.5), (7, -100.0)) and p.min_tokens == 3
+    assert p.changes_logits and not parse_completion(_cmpl(), MODELS).params.changes_logits
 
 
 # -- chat fields -----------------------------------------------------------------------------
@@ -299,6 +318,8 @@ def test_prepare_chat_default_max_tokens_is_the_rest_of_the_context(
         ({"max_tokens": 64}, "prompt", "context_length_exceeded", "1 in the prompt, 64 for"),
         ({"prompt": [0, 49152]}, "prompt", None, "prompt[1]=49152 is not a token id"),
         ({"stop_token_ids": [10**6]}, "stop_token_ids", None, "outside the vocabulary"),
+        ({"logit_bias": {"49152": 1}}, "logit_bias", None, "outside the vocabulary"),
+        ({"min_tokens": 20}, "min_tokens", None, "[0, max_tokens]"),  # the default max_tokens 16
         ({"prompt": "bad \ud800 text"}, "prompt", None, "not valid Unicode"),
     ],
 )
