@@ -290,6 +290,11 @@ _SAMPLING = common_pb2.SamplingParams(
     stop_token_ids=[2, 49151],
     ignore_eos=True,
     logprobs=True,
+    presence_penalty=0.5,
+    frequency_penalty=-1.5,
+    repetition_penalty=1.25,
+    min_tokens=4,
+    logit_bias={42: -100.0, 7: 2.5},
 )
 _USAGE = common_pb2.Usage(prompt_tokens=1000, completion_tokens=37, cached_tokens=512)
 _TIMING = common_pb2.Timing(
