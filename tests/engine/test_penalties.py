@@ -17,6 +17,7 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from services.common.convert import sampling_from_proto, sampling_to_proto
+from tests.engine.test_batch_invariant import _resumed
 
 
 def test_each_change_is_the_formula_on_its_row() -> None:
@@ -134,13 +135,6 @@ def test_a_penalised_stream_resumed_elsewhere_continues_exactly(
         checkpoint=quantized_checkpoint, tokenizer=default_tokenizer,
     )  # fmt: skip
     for cut in (1, 12):
-        rid = other.add_request(prompt, params, resumed=full.token_ids[:cut])
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        while other.has_unfinished():
-            for ev in other.step():
-                assert ev.request_id == rid
-                tokens.extend(ev.new_token_ids)
-                logprobs.extend(ev.new_logprobs)
+        tokens, logprobs = _resumed(other, prompt, params, full.token_ids[:cut])
         assert tokens == full.token_ids[cut:], f"cut at {cut}"
         assert logprobs == full.logprobs[cut:], f"cut at {cut}"
