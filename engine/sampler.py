@@ -89,8 +89,8 @@ class Sampler:
             )
         logits = logits.float()
         sampled = [row for row, p in enumerate(params) if not p.greedy]
-        # Rows at temperature 1 get the raw softmax normaliser from the sampler's own weights.
-        # rows whose sampling weights' total is also the raw softmax's normaliser
+        # Rows at temperature 1 get the raw softmax normaliser from the sampler's own weights
+        # (unless penalties or a bias changed those weights: their raw logits are elsewhere).
         known_norm = [
             row
             for row in sampled
