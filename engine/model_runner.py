@@ -121,9 +121,7 @@ class ModelRunner:
         if not sampling:
             return []
         logits = self.model.compute_logits(hidden)
-        rows = [penalties.Row(it.seq.params, it.seq.prompt_ids, it.seq.output_ids)
-                for it in sampling]  # fmt: skip
-        changed = penalties.apply(logits, rows, self.eos_token_ids)
+        changed = penalties.apply(logits, [it.seq for it in sampling], self.eos_token_ids)
         out = self.sampler(
             changed,
             [it.seq.params for it in sampling],

@@ -9,35 +9,27 @@ have: a penalised stream continues exactly where the logits do (batch-invariant 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection
+from collections.abc import Sequence as Seq
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
 
 
-@dataclass(frozen=True)
-class Row:
-    """One sampled row: its parameters and its tokens so far."""
-
-    params: SamplingParams
-    prompt_ids: Sequence[int]
-    output_ids: Sequence[int]
-
-
-def apply(logits: torch.Tensor, rows: Sequence[Row], eos_ids: Collection[int]) -> torch.Tensor:
-    """``logits`` (``[B, V]``, one row per entry of ``rows``) with each row's changes made;
-    ``logits`` itself when no row asks for any. ``eos_ids``: what ``min_tokens`` bars
-    besides the row's ``stop_token_ids`` (unless it ignores EOS)."""
-    changed = [i for i, row in enumerate(rows) if row.params.changes_logits]
+def apply(logits: torch.Tensor, seqs: Seq[Sequence], eos_ids: Collection[int]) -> torch.Tensor:
+    """``logits`` (``[B, V]``, one row per sequence of ``seqs``) with each row's changes
+    made, from its parameters and its tokens so far; ``logits`` itself when no row asks for
+    any. ``eos_ids``: what ``min_tokens`` bars besides the row's ``stop_token_ids`` (unless
+    it ignores EOS)."""
+    changed = [i for i, seq in enumerate(seqs) if seq.params.changes_logits]
     if not changed:
         return logits
     out = logits.clone()
     vocab = out.shape[1]
     for i in changed:
-        p, logit = rows[i].params, out[i]
-        output = list(rows[i].output_ids)
+        p, logit = seqs[i].params, out[i]
+        output = seqs[i].output_ids
         if len(output) < p.min_tokens:
             barred = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
             logit[_ids(barred, logit.device)] = -torch.inf
@@ -46,7 +38,7 @@ def apply(logits: torch.Tensor, rows: Sequence[Row], eos_ids: Collection[int]) -
             logit[_ids(ids, logit.device)] += torch.tensor(bias, device=logit.device)
         if p.repetition_penalty != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool, device=logit.device)
-            seen[_ids([*rows[i].prompt_ids, *output], logit.device)] = True
+            seen[_ids(seqs[i].all_ids, logit.device)] = True
             x = logit[seen]
             logit[seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
         if output and (p.frequency_penalty or p.presence_penalty):
@@ -56,5 +48,4 @@ def apply(logits: torch.Tensor, rows: Sequence[Row], eos_ids: Collection[int]) -
 
 
 def _ids(ids: Collection[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(sorted(ids) if isinstance(ids, set) else list(ids), dtype=torch.int64,
-                        device=device)  # fmt: skip
+    return torch.tensor(list(ids), dtype=torch.int64, device=device)

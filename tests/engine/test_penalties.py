@@ -15,9 +15,14 @@ from engine.checkpoint import Checkpoint
 from engine.errors import InvalidRequestError
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
 from services.common.convert import sampling_from_proto, sampling_to_proto
 from tests.engine.test_batch_invariant import _resumed
+
+
+def _seq(params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> Sequence:
+    return Sequence("r", prompt_ids, params, 0.0, output_ids=output_ids)
 
 
 def test_each_change_is_the_formula_on_its_row() -> None:
@@ -27,8 +32,8 @@ def test_each_change_is_the_formula_on_its_row() -> None:
         logit_bias={2: 1.5, 5: -100.0}, min_tokens=4, stop_token_ids=[1],
     )  # fmt: skip
     rows = [
-        penalties.Row(p, prompt_ids=[0, 4], output_ids=[3, 3, 2]),
-        penalties.Row(SamplingParams(), prompt_ids=[0], output_ids=[1]),
+        _seq(p, prompt_ids=[0, 4], output_ids=[3, 3, 2]),
+        _seq(SamplingParams(), prompt_ids=[0], output_ids=[1]),
     ]
     out = penalties.apply(logits, rows, eos_ids={4})
     want = logits[0].clone()
@@ -42,10 +47,10 @@ def test_each_change_is_the_formula_on_its_row() -> None:
     assert torch.equal(out[0], want)
     assert torch.equal(out[1], logits[1])  # a row asking for nothing is untouched
     assert torch.equal(logits[1], torch.ones(6))  # and the input is not modified
-    plain = [penalties.Row(SamplingParams(), [0], [1])] * 2
+    plain = [_seq(SamplingParams(), [0], [1])] * 2
     assert penalties.apply(logits, plain, {4}) is logits
     ignoring = dataclasses.replace(p, ignore_eos=True)
-    barred = penalties.apply(logits[:1], [penalties.Row(ignoring, [0], [])], {4})[0]
+    barred = penalties.apply(logits[:1], [_seq(ignoring, [0], [])], {4})[0]
     assert barred[1] == -torch.inf and barred[4] != -torch.inf  # EOS stays when ignored
 
 
