@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
+from engine.structured import StructuredOutput
 
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
@@ -45,6 +46,8 @@ class SamplingParams:
     multiplied; 1 disables it), ``frequency_penalty`` and ``presence_penalty`` (subtracted
     per occurrence in the output so far, and once if it occurs at all; 0 disables them).
     A dict given as ``logit_bias`` is stored as sorted pairs.
+
+    ``structured``: a constraint the whole output must meet (``engine.structured``), or None.
     """
 
     max_tokens: int = 16
@@ -62,6 +65,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens <= 0:
@@ -102,6 +106,8 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", self._normalise_bias(self.logit_bias))
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise _bad("min_tokens", self.min_tokens, "must be an integer in [0, max_tokens]")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise _bad("structured", self.structured, "must be a StructuredOutput or None")
 
     @staticmethod
     def _normalise_stop(stop: object) -> tuple[str, ...]:
