@@ -152,15 +152,21 @@ class Admission:
                 waiter.set_exception(_draining())
 
     @asynccontextmanager
-    async def slot(self, key: str) -> AsyncIterator[None]:
-        """Hold a slot for the body; see the class docstring for what it raises."""
-        await self._acquire(key)
+    async def slot(self, key: str, count: int = 1) -> AsyncIterator[None]:
+        """Hold ``count`` slots for the body (a request of ``count`` choices: one rate
+        token, one slot per generation, taken one after another in the queue's order); see
+        the class docstring for what it raises."""
+        held = 0
         try:
+            for i in range(count):
+                await self._acquire(key if i == 0 else None)
+                held += 1
             yield
         finally:
-            self._release()
+            for _ in range(held):
+                self._release()
 
-    async def _acquire(self, key: str) -> None:
+    async def _acquire(self, key: str | None) -> None:
         try:
             await self._wait_for_slot(key)
         except Overloaded:
@@ -173,10 +179,11 @@ class Admission:
             self._on_refused("draining")
             raise
 
-    async def _wait_for_slot(self, key: str) -> None:
+    async def _wait_for_slot(self, key: str | None) -> None:
         if self._draining:
             raise _draining()
-        self._check_rate(key)
+        if key is not None:  # None: another slot of a request already counted
+            self._check_rate(key)
         self._waiters = deque(w for w in self._waiters if not w.done())
         decision = decide(self.limits, self._in_flight, len(self._waiters))
         if decision is Decision.ADMIT:

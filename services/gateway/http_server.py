@@ -17,6 +17,7 @@ new one is answered 503 and closed (``_CappedSite``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
@@ -31,10 +32,12 @@ from engine.errors import EngineError, ResourceExhaustedError
 from services.gateway import openai_responses as out
 from services.gateway.admission import retry_after_header
 from services.gateway.backend import BackendUnavailableError, GenerateChunk, GenerateInput, ServedBy
+from services.gateway.choices import choice_inputs, merged
 from services.gateway.openai_api import (
     ApiError,
     ChatRequest,
     CompletionRequest,
+    bad_request,
     check_prompt_size,
     decode_json_body,
     from_engine_error,
@@ -156,12 +159,13 @@ def _check_size(
 
 
 @asynccontextmanager
-async def _admitted(request: web.Request, rid: str) -> AsyncIterator[GatewayService]:
-    """The request's log context and admission slot, held while the body runs."""
+async def _admitted(request: web.Request, rid: str, n: int) -> AsyncIterator[GatewayService]:
+    """The request's log context and its ``n`` choices' admission slots, held while the
+    body runs."""
     service = request.app[SERVICE_KEY]
     key = service.rate_key(request.headers.get("Authorization"), request.remote or "")
     with structlog.contextvars.bound_contextvars(request_id=rid):
-        async with service.admitted(key):
+        async with service.admitted(key, n):
             yield service
 
 
@@ -176,18 +180,17 @@ def _check_serving(service: GatewayService) -> None:
         )
 
 
-async def _chunks(
-    stream: AsyncIterator[GenerateChunk], prompt_param: str
-) -> AsyncIterator[GenerateChunk]:
-    """``stream``'s chunks up to the last one. Errors before the first chunk raise
-    ``ApiError``; later ones raise ``_StreamFailed`` (the response has started by then)."""
+Choice = tuple[int, GenerateChunk]  # a chunk of one of a request's n choices
+
+
+async def _chunks(stream: AsyncIterator[Choice], prompt_param: str) -> AsyncIterator[Choice]:
+    """``stream``'s chunks until every choice has finished. Errors before the first chunk
+    raise ``ApiError``; later ones raise ``_StreamFailed`` (the response has started)."""
     started = False
     try:
-        async for chunk in stream:
+        async for item in stream:
             started = True
-            yield chunk
-            if chunk.finish_reason is not None:
-                return
+            yield item
     except EngineError as exc:
         if not started:
             raise from_engine_error(exc, prompt_param) from None
@@ -197,33 +200,64 @@ async def _chunks(
             raise  # a server fault before the response started: the middleware's 500
         log.exception("backend_stream_failed")
         raise _StreamFailed(f"internal error ({type(exc).__name__})") from exc
-    raise _StreamFailed("the backend ended the stream without a finish reason")
+
+
+def _generations(
+    service: GatewayService, inp: GenerateInput, n: int, received_at: float
+) -> AsyncIterator[Choice]:
+    """The request's ``n`` choices' chunks, merged (``choices.merged``)."""
+    return merged(
+        [functools.partial(service.generate, c, received_at) for c in choice_inputs(inp, n)]
+    )
 
 
 @dataclass
 class _Result:
-    """A whole generation, for non-streaming responses."""
+    """One choice's whole generation, for non-streaming responses."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
-    usage: dict[str, Any] = field(default_factory=dict)
-    served_by: ServedBy = field(default_factory=ServedBy)
 
 
-async def _collect(stream: AsyncIterator[GenerateChunk], prompt_param: str) -> _Result:
-    r = _Result()
-    parts = []
-    async for c in _chunks(stream, prompt_param):
-        parts.append(c.text_delta)
+@dataclass
+class _Results:
+    """Every choice of a whole response: results by index, the last chunk of each."""
+
+    choices: list[_Result]
+    last: dict[int, GenerateChunk] = field(default_factory=dict)
+
+    @property
+    def usage(self) -> dict[str, Any]:
+        return _usage(self.last)
+
+    @property
+    def served_by(self) -> ServedBy:
+        return self.last[0].served_by if 0 in self.last else ServedBy()
+
+
+def _usage(last: dict[int, GenerateChunk]) -> dict[str, Any]:
+    """One request's usage over its choices: the prompt counted once (choice 0's cached
+    tokens), every choice's completion tokens."""
+    first = last[min(last)]
+    completion = sum(c.completion_tokens for c in last.values())
+    return out.usage(first.prompt_tokens, completion, first.cached_tokens)
+
+
+async def _collect(stream: AsyncIterator[Choice], n: int, prompt_param: str) -> _Results:
+    results = _Results([_Result() for _ in range(n)])
+    parts: list[list[str]] = [[] for _ in range(n)]
+    async for i, c in _chunks(stream, prompt_param):
+        r = results.choices[i]
+        parts[i].append(c.text_delta)
         r.token_ids.extend(c.token_ids)
         r.logprobs.extend(c.logprobs)
         r.finish_reason = c.finish_reason
-        r.usage = out.usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
-        r.served_by = c.served_by
-    r.text = "".join(parts)
-    return r
+        results.last[i] = c
+    for r, p in zip(results.choices, parts, strict=True):
+        r.text = "".join(p)
+    return results
 
 
 async def _sse_response(request: web.Request) -> web.StreamResponse:
@@ -239,18 +273,19 @@ async def _sse_response(request: web.Request) -> web.StreamResponse:
 
 
 class _Relay:
-    """Streams one generation as SSE, started only once the first chunk is in hand."""
+    """Streams one request's generations as SSE, started only once the first chunk is in
+    hand."""
 
     def __init__(
         self,
         request: web.Request,
-        stream: AsyncIterator[GenerateChunk],
+        stream: AsyncIterator[Choice],
         prompt_param: str,
     ) -> None:
         self.request = request
         self.write_timeout_s = request.app[WRITE_TIMEOUT_KEY]
         self.chunks = aiter(_chunks(stream, prompt_param))
-        self.first: GenerateChunk | None = None
+        self.first: Choice | None = None
         self.resp: web.StreamResponse | None = None
 
     async def start(self) -> None:
@@ -258,7 +293,7 @@ class _Relay:
         self.first = await anext(self.chunks)
         self.resp = await _sse_response(self.request)
 
-    async def all(self) -> AsyncIterator[GenerateChunk]:
+    async def all(self) -> AsyncIterator[Choice]:
         """Every chunk, the first included, up to the last."""
         assert self.first is not None
         yield self.first
@@ -292,27 +327,27 @@ class _Relay:
 
 async def _run_stream(
     relay: _Relay,
-    frames: Callable[[GenerateChunk], list[dict[str, Any]]],
-    usage_frame: Callable[[GenerateChunk], dict[str, Any]] | None,
+    frames: Callable[[int, GenerateChunk], list[dict[str, Any]]],
+    usage_frame: Callable[[dict[int, GenerateChunk]], dict[str, Any]] | None,
     intro: Sequence[dict[str, Any]] = (),
     started: Callable[[], None] | None = None,
 ) -> web.StreamResponse:
-    """Send ``intro``, then each chunk's ``frames``, the usage frame, and ``[DONE]``;
-    ``started`` runs once the first chunk's frames are written (e.g. a log line, which
-    should not delay the first token)."""
-    last: GenerateChunk | None = None
+    """Send ``intro``, then each chunk's ``frames`` (by choice index), the usage frame, and
+    ``[DONE]``; ``started`` runs once the first chunk's frames are written (e.g. a log
+    line, which should not delay the first token)."""
+    last: dict[int, GenerateChunk] = {}
     try:
         try:
             for frame in intro:
                 await relay.send(frame)
-            async for c in relay.all():
-                first = last is None
-                last = c
-                for frame in frames(c):
+            async for i, c in relay.all():
+                first = not last
+                last[i] = c
+                for frame in frames(i, c):
                     await relay.send(frame)
                 if first and started is not None:
                     started()
-            if usage_frame is not None and last is not None:
+            if usage_frame is not None and last:
                 await relay.send(usage_frame(last))
         except _StreamFailed as exc:
             log.warning("stream_failed", error=str(exc))
@@ -330,44 +365,54 @@ async def _run_stream(
         return relay.cut()
 
 
+def _check_choices(service: GatewayService, n: int) -> None:
+    """``n`` choices hold ``n`` admission slots: more than the cap could never start."""
+    cap = service.admission.limits.max_concurrent
+    if n > cap:
+        raise bad_request(f"'n'={n} exceeds this server's {cap} concurrent generations.", "n")
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     received_at = time.monotonic()
     service = request.app[SERVICE_KEY]
     req = parse_completion(await _read_json(request), service.models)
     _check_serving(service)
+    _check_choices(service, req.n)
     model = lookup(service.models, req.model)
     _check_size(service, req, model)
     rid = new_request_id("cmpl")
-    async with _admitted(request, rid):
+    async with _admitted(request, rid, req.n):
         inp = await service.prepare(prepare_completion, req, model, rid, service.limits)
         created = int(time.time())
         tok = model.tokenizer
-        stream = service.generate(inp, received_at)
+        stream = _generations(service, inp, req.n, received_at)
         async with aclosing(stream):  # type: ignore[type-var]
             if not req.stream:
-                r = await _collect_or_500(stream, "prompt")
-                lp = (
-                    out.completion_logprobs(tok, r.token_ids, r.logprobs, 0)
-                    if inp.params.logprobs
-                    else None
-                )
-                ext = out.extension(r.served_by)
-                return _json(
-                    out.completion(
-                        rid, created, model.name, r.text, r.finish_reason, lp, r.usage, ext
+                r = await _collect_or_500(stream, req.n, "prompt")
+                choices = [
+                    out.completion_choice(
+                        i,
+                        c.text,
+                        c.finish_reason,
+                        out.completion_logprobs(tok, c.token_ids, c.logprobs, 0)
+                        if inp.params.logprobs
+                        else None,
                     )
-                )
-            offset = 0
+                    for i, c in enumerate(r.choices)
+                ]
+                ext = out.extension(r.served_by)
+                return _json(out.completion(rid, created, model.name, choices, r.usage, ext))
+            offsets = [0] * req.n
 
-            def frames(c: GenerateChunk) -> list[dict[str, Any]]:
-                nonlocal offset
+            def frames(i: int, c: GenerateChunk) -> list[dict[str, Any]]:
                 lp = None
                 if inp.params.logprobs:
-                    lp = out.completion_logprobs(tok, c.token_ids, c.logprobs, offset)
-                offset += len(c.text_delta)
+                    lp = out.completion_logprobs(tok, c.token_ids, c.logprobs, offsets[i])
+                offsets[i] += len(c.text_delta)
                 if not c.text_delta and c.finish_reason is None and lp is None:
                     return []
-                return [out.completion(rid, created, model.name, c.text_delta, c.finish_reason, lp)]
+                choice = out.completion_choice(i, c.text_delta, c.finish_reason, lp)
+                return [out.completion(rid, created, model.name, [choice])]
 
             relay = _Relay(request, stream, "prompt")
             await relay.start()
@@ -386,47 +431,57 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     service = request.app[SERVICE_KEY]
     req = parse_chat(await _read_json(request), service.models)
     _check_serving(service)
+    _check_choices(service, req.n)
     model = lookup(service.models, req.model)
     _check_size(service, req, model)
     rid = new_request_id("chatcmpl")
-    async with _admitted(request, rid):
+    async with _admitted(request, rid, req.n):
         inp = await service.prepare(prepare_chat, req, model, rid, service.limits)
         created = int(time.time())
         tok = model.tokenizer
-        stream = service.generate(inp, received_at)
+        stream = _generations(service, inp, req.n, received_at)
         async with aclosing(stream):  # type: ignore[type-var]
             if not req.stream:
-                r = await _collect_or_500(stream, "messages")
-                lp = (
-                    out.chat_logprobs(tok, r.token_ids, r.logprobs) if inp.params.logprobs else None
-                )
-                ext = out.extension(r.served_by)
-                return _json(
-                    out.chat_completion(
-                        rid, created, model.name, r.text, r.finish_reason, lp, r.usage, ext
+                r = await _collect_or_500(stream, req.n, "messages")
+                choices = [
+                    out.chat_choice(
+                        i,
+                        {"role": "assistant", "content": c.text},
+                        c.finish_reason,
+                        out.chat_logprobs(tok, c.token_ids, c.logprobs)
+                        if inp.params.logprobs
+                        else None,
                     )
-                )
+                    for i, c in enumerate(r.choices)
+                ]
+                ext = out.extension(r.served_by)
+                return _json(out.chat_completion(rid, created, model.name, choices, r.usage, ext))
 
-            def frames(c: GenerateChunk) -> list[dict[str, Any]]:
+            def frames(i: int, c: GenerateChunk) -> list[dict[str, Any]]:
                 result = []
                 lp = (
                     out.chat_logprobs(tok, c.token_ids, c.logprobs) if inp.params.logprobs else None
                 )
                 if c.text_delta or lp is not None:
                     delta = {"content": c.text_delta}
-                    result.append(out.chat_chunk(rid, created, model.name, delta, None, lp))
+                    result.append(out.chat_chunk(rid, created, model.name, delta, None, lp, i))
                 if c.finish_reason is not None:
-                    result.append(out.chat_chunk(rid, created, model.name, {}, c.finish_reason))
+                    result.append(
+                        out.chat_chunk(rid, created, model.name, {}, c.finish_reason, index=i)
+                    )
                 return result
 
             relay = _Relay(request, stream, "messages")
             await relay.start()
             role = {"role": "assistant", "content": ""}
+            intro = [
+                out.chat_chunk(rid, created, model.name, role, None, index=i) for i in range(req.n)
+            ]
             return await _run_stream(
                 relay,
                 frames,
                 _usage_frame(rid, created, inp, "chat.completion.chunk", req),
-                [out.chat_chunk(rid, created, model.name, role, None)],
+                intro,
                 started=lambda: log.info(
                     "chat_completion_started", prompt_tokens=len(inp.prompt_token_ids)
                 ),
@@ -435,23 +490,23 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 def _usage_frame(
     rid: str, created: int, inp: GenerateInput, obj: str, req: CompletionRequest | ChatRequest
-) -> Callable[[GenerateChunk], dict[str, Any]] | None:
+) -> Callable[[dict[int, GenerateChunk]], dict[str, Any]] | None:
     if not req.include_usage:
         return None
 
-    def frame(last: GenerateChunk) -> dict[str, Any]:
-        usage = out.usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
-        return out.usage_chunk(rid, created, inp.model, obj, usage, out.extension(last.served_by))
+    def frame(last: dict[int, GenerateChunk]) -> dict[str, Any]:
+        served_by = last[0].served_by if 0 in last else ServedBy()
+        return out.usage_chunk(rid, created, inp.model, obj, _usage(last), out.extension(served_by))
 
     return frame
 
 
-async def _collect_or_500(stream: AsyncIterator[GenerateChunk], prompt_param: str) -> _Result:
+async def _collect_or_500(stream: AsyncIterator[Choice], n: int, prompt_param: str) -> _Results:
     try:
-        r = await _collect(stream, prompt_param)
+        r = await _collect(stream, n, prompt_param)
     except _StreamFailed as exc:
         raise ApiError(500, f"Generation failed: {exc}", "server_error") from exc
-    if r.finish_reason == "error":
+    if any(c.finish_reason == "error" for c in r.choices):
         raise ApiError(500, "Generation failed in the backend.", "server_error")
     return r
 

@@ -14,8 +14,9 @@ which wins), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
 ``stream_options.include_usage``, ``presence_penalty``, ``frequency_penalty``,
 ``logit_bias`` (``engine.penalties``), ``logprobs`` (the sampled tokens' log-probabilities
 under the model's raw distribution; top alternatives are not computed, so completions'
-``logprobs`` > 0 and chat's ``top_logprobs`` > 0 are rejected). ``n`` and ``best_of`` must
-be 1; ``echo``, ``suffix`` and tools are rejected when they would change the output.
+``logprobs`` > 0 and chat's ``top_logprobs`` > 0 are rejected), ``n`` (up to ``MAX_N``
+choices, ``services.gateway.choices``). ``best_of`` must be 1; ``echo``, ``suffix`` and
+tools are rejected when they would change the output.
 ``user`` and fields we do not know are ignored.
 
 Defaults: ``max_tokens`` is 16 for completions (OpenAI's) and, for chat, the rest of the
@@ -36,6 +37,7 @@ from engine.errors import CapacityError, InvalidRequestError, ResourceExhaustedE
 from engine.sampling_params import SamplingParams
 from services.gateway.admission import retry_after_s
 from services.gateway.backend import BackendUnavailableError, GenerateInput
+from services.gateway.choices import MAX_N
 from services.gateway.served_model import ContextLengthError, ServedModel
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -151,6 +153,7 @@ class CompletionRequest:
     max_tokens: int | None
     stream: bool
     include_usage: bool
+    n: int = 1
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,7 @@ class ChatRequest:
     max_tokens: int | None
     stream: bool
     include_usage: bool
+    n: int = 1
 
 
 # -- field readers ---------------------------------------------------------------------------
@@ -282,12 +286,19 @@ def _stream_options(body: _Body) -> tuple[bool, bool]:
     return stream, include
 
 
-def _reject_unsupported(body: _Body) -> None:
-    """Options that would change the output in ways we do not implement: refuse, don't lie."""
-    for name in ("n", "best_of"):
-        v = body.integer(name)
-        if v is not None and v != 1:
-            raise bad_request(f"'{name}'={v} is not supported: only 1 choice per request.", name)
+def _choices(body: _Body) -> int:
+    """``n``: how many choices to generate (``services.gateway.choices``). ``best_of`` (n
+    generated, the likeliest returned) is refused, as vLLM's V1 engine refuses it."""
+    best_of = body.integer("best_of")
+    if best_of is not None and best_of != 1:
+        raise bad_request(
+            f"'best_of'={best_of} is not supported: every generated choice is returned (use n).",
+            "best_of",
+        )
+    n = body.integer("n", minimum=1)
+    if n is not None and n > MAX_N:
+        raise bad_request(f"'n' must be at most {MAX_N}, got {n}.", "n")
+    return 1 if n is None else n
 
 
 def _logit_bias(body: _Body) -> dict[int, float]:
@@ -446,7 +457,7 @@ def parse_completion(body: object, models: Collection[str]) -> CompletionRequest
     suffix = b.string("suffix")
     if suffix:
         raise bad_request("'suffix' is not supported.", "suffix")
-    _reject_unsupported(b)
+    n = _choices(b)
     logprobs = b.integer("logprobs", minimum=0)
     if logprobs is not None and logprobs > MAX_COMPLETION_LOGPROBS:
         raise bad_request(
@@ -467,6 +478,7 @@ def parse_completion(body: object, models: Collection[str]) -> CompletionRequest
         max_tokens=max_tokens,
         stream=stream,
         include_usage=include_usage,
+        n=n,
     )
 
 
@@ -531,7 +543,7 @@ def parse_chat(body: object, models: Collection[str]) -> ChatRequest:
     b = _Body(body)
     model = _model(b, models)
     messages = _messages(b)
-    _reject_unsupported(b)
+    n = _choices(b)
     tools = b.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
@@ -564,6 +576,7 @@ def parse_chat(body: object, models: Collection[str]) -> ChatRequest:
         max_tokens=max_tokens,
         stream=stream,
         include_usage=include_usage,
+        n=n,
     )
 
 

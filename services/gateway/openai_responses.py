@@ -95,26 +95,29 @@ def chat_logprobs(
     return {"content": content}
 
 
+def completion_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One entry of a ``text_completion``'s ``choices``."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
 def completion(
     id: str,
     created: int,
     model: str,
-    text: str,
-    finish_reason: str | None,
-    logprobs: dict[str, Any] | None = None,
+    choices: list[dict[str, Any]],
     usage: dict[str, Any] | None = None,
     pdserve: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A ``text_completion`` object: a whole response (with usage and the ``pdserve``
-    extension) or one stream chunk."""
+    """A ``text_completion`` object (``choices`` from ``completion_choice``): a whole
+    response (with usage and the ``pdserve`` extension) or one stream chunk."""
     obj: dict[str, Any] = {
         "id": id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [
-            {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        ],
+        "choices": choices,
     }
     if usage is not None:
         obj["usage"] = usage
@@ -123,30 +126,38 @@ def completion(
     return obj
 
 
+def chat_choice(
+    index: int,
+    message: dict[str, Any],
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One entry of a whole ``chat.completion``'s ``choices``; ``message`` is the assistant
+    message (``{"role": "assistant", "content": ...}``, and ``tool_calls`` when it called)."""
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
+
+
 def chat_completion(
     id: str,
     created: int,
     model: str,
-    content: str,
-    finish_reason: str | None,
-    logprobs: dict[str, Any] | None,
+    choices: list[dict[str, Any]],
     usage: dict[str, Any],
     pdserve: dict[str, Any],
 ) -> dict[str, Any]:
-    """A whole ``chat.completion`` response, with the ``pdserve`` extension."""
+    """A whole ``chat.completion`` response (``choices`` from ``chat_choice``), with the
+    ``pdserve`` extension."""
     return {
         "id": id,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": content},
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-        ],
+        "choices": choices,
         "usage": usage,
         "pdserve": pdserve,
     }
@@ -159,15 +170,17 @@ def chat_chunk(
     delta: dict[str, Any],
     finish_reason: str | None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One ``chat.completion.chunk``; ``delta`` is {"role": ...} and/or {"content": ...}."""
+    """One ``chat.completion.chunk`` of choice ``index``; ``delta`` is {"role": ...}
+    and/or {"content": ...} (or ``tool_calls``)."""
     return {
         "id": id,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
         "choices": [
-            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         ],
     }
 

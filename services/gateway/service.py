@@ -67,10 +67,10 @@ class GatewayService:
             return "key:" + authorization.removeprefix("Bearer ").strip()
         return "peer:" + peer
 
-    def admitted(self, key: str) -> AbstractAsyncContextManager[None]:
-        """Hold an admission slot for the body (``Admission.slot``): every backend, both
-        edges."""
-        return self.admission.slot(key)
+    def admitted(self, key: str, count: int = 1) -> AbstractAsyncContextManager[None]:
+        """Hold ``count`` admission slots (one per choice) for the body
+        (``Admission.slot``): every backend, both edges."""
+        return self.admission.slot(key, count)
 
     async def prepare(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run ``fn`` (templating, tokenizing: CPU work that grows with the prompt) on a

@@ -111,6 +111,50 @@ async def test_completion_equals_engine(gw, client, default_tokenizer) -> None:
     assert by_ids.choices[0].text == ref_text
 
 
+async def test_n_choices_are_the_seeded_requests_of_seed_plus_index(gw, client) -> None:
+    """Choice i of a seeded request of n is the same request with n=1 and seed+i, whole
+    and streamed; usage counts the prompt once and every choice's tokens."""
+    prompt = "Once upon a time"
+    args = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": 7}
+    singles = [await client.completions.create(**{**args, "seed": 7 + i}) for i in range(3)]
+    assert len({r.choices[0].text for r in singles}) > 1  # the seeds differ, so do the texts
+    whole = await client.completions.create(**args, n=3)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.text for c in whole.choices] == [r.choices[0].text for r in singles]
+    assert whole.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert whole.usage.completion_tokens == sum(r.usage.completion_tokens for r in singles)
+    chat_args = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "seed": 11,
+    }
+    chat_singles = [
+        await client.chat.completions.create(**{**chat_args, "seed": 11 + i}) for i in range(2)
+    ]
+    stream = await client.chat.completions.create(
+        **chat_args, n=2, stream=True, stream_options={"include_usage": True}
+    )
+    texts = ["", ""]
+    roles = [None, None]
+    finish = [None, None]
+    usage = None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            roles[c.index] = roles[c.index] or c.delta.role
+            finish[c.index] = finish[c.index] or c.finish_reason
+    assert texts == [r.choices[0].message.content for r in chat_singles]
+    assert roles == ["assistant", "assistant"]
+    assert finish == [r.choices[0].finish_reason for r in chat_singles]
+    assert usage is not None
+    assert usage.completion_tokens == sum(r.usage.completion_tokens for r in chat_singles)
+    assert await gw.wait_blocks_free()
+
+
 async def test_models_endpoint(client) -> None:
     models = await client.models.list()
     assert [m.id for m in models.data] == [MODEL]
@@ -124,7 +168,7 @@ async def test_client_sees_openai_errors(client) -> None:
     assert nf.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as bad:
         await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "x"}], n=2
+            model=MODEL, messages=[{"role": "user", "content": "x"}], n=17
         )
     assert bad.value.body["param"] == "n"
 
@@ -217,7 +261,7 @@ BAD = [
     ("completions", _body(model="nope"), 404, "model", "model_not_found", "`nope`"),
     ("completions", _body(prompt="hi " * 300), 400, "prompt", "context_length_exceeded", "256"),
     ("completions", _body(max_tokens=10**6), 400, "max_tokens", None, "exceeds max_model_len"),
-    ("completions", _body(n=2), 400, "n", None, "only 1 choice"),
+    ("completions", _body(n=17), 400, "n", None, "at most 16"),
     ("completions", _body(prompt="x \ud800"), 400, "prompt", None, "not valid Unicode"),
     ("completions", _body(prompt=[1, 10**9]), 400, "prompt", None, "is not a token id"),
     (

@@ -143,9 +143,10 @@ def test_model_missing_mistyped_unknown(parse) -> None:
             "stream_options.include_usage",
             "expected a boolean",
         ),
-        ({"n": 2}, "n", "only 1 choice"),
+        ({"n": 0}, "n", "minimum of 1"),
+        ({"n": 17}, "n", "at most 16"),
         ({"n": "2"}, "n", "expected an integer"),
-        ({"best_of": 3}, "best_of", "only 1 choice"),
+        ({"best_of": 3}, "best_of", "use n"),
         ({"echo": True}, "echo", "'echo' is not supported"),
         ({"suffix": "end"}, "suffix", "'suffix' is not supported"),
         ({"logprobs": 2}, "logprobs", "use logprobs=0"),
@@ -248,7 +249,7 @@ def test_penalties_bias_and_min_tokens_reach_the_sampling_params() -> None:
         ({"top_logprobs": 3}, "top_logprobs", "not supported"),
         ({"tools": [{"type": "function"}]}, "tools", "Tool calling is not supported"),
         ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
-        ({"n": 2}, "n", "only 1 choice"),
+        ({"n": 17}, "n", "at most 16"),
     ],
 )
 def test_chat_field_errors(fields: dict, param: str, needle: str) -> None:
