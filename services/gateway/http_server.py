@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.errors import EngineError, ResourceExhaustedError
 from services.gateway import openai_responses as out
+from services.gateway import tools
 from services.gateway.admission import retry_after_header
 from services.gateway.backend import BackendUnavailableError, GenerateChunk, GenerateInput, ServedBy
 from services.gateway.choices import choice_inputs, merged
@@ -446,8 +447,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 choices = [
                     out.chat_choice(
                         i,
-                        {"role": "assistant", "content": c.text},
-                        c.finish_reason,
+                        *_assistant_message(req.tools, c.text, c.finish_reason),
                         out.chat_logprobs(tok, c.token_ids, c.logprobs)
                         if inp.params.logprobs
                         else None,
@@ -457,18 +457,30 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 ext = out.extension(r.served_by)
                 return _json(out.chat_completion(rid, created, model.name, choices, r.usage, ext))
 
+            spec = req.tools
+            readers = [tools.ToolStream(spec) for _ in range(req.n)] if spec else []
+
             def frames(i: int, c: GenerateChunk) -> list[dict[str, Any]]:
-                result = []
                 lp = (
                     out.chat_logprobs(tok, c.token_ids, c.logprobs) if inp.params.logprobs else None
                 )
-                if c.text_delta or lp is not None:
-                    delta = {"content": c.text_delta}
-                    result.append(out.chat_chunk(rid, created, model.name, delta, None, lp, i))
-                if c.finish_reason is not None:
-                    result.append(
-                        out.chat_chunk(rid, created, model.name, {}, c.finish_reason, index=i)
-                    )
+                finish = c.finish_reason
+                if spec is None:
+                    deltas = [{"content": c.text_delta}] if c.text_delta or lp is not None else []
+                else:
+                    events = readers[i].feed(c.text_delta) if c.text_delta else []
+                    if finish is not None:
+                        events += readers[i].finish()
+                        finish = _finish_reason(spec, readers[i].calls, finish)
+                    deltas = [tools.delta_for(e) for e in events]
+                    if lp is not None and not deltas:
+                        deltas = [{}]
+                result = [
+                    out.chat_chunk(rid, created, model.name, d, None, lp if j == 0 else None, i)
+                    for j, d in enumerate(deltas)
+                ]
+                if finish is not None:
+                    result.append(out.chat_chunk(rid, created, model.name, {}, finish, index=i))
                 return result
 
             relay = _Relay(request, stream, "messages")
@@ -486,6 +498,29 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                     "chat_completion_started", prompt_tokens=len(inp.prompt_token_ids)
                 ),
             )
+
+
+def _assistant_message(
+    spec: tools.ToolSpec | None, text: str, finish_reason: str | None
+) -> tuple[dict[str, Any], str | None]:
+    """A whole choice's assistant message (its ``tool_calls`` parsed out when the request
+    has tools) and its finish reason."""
+    if spec is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    content, calls = tools.read_whole(spec, text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [c.to_openai() for c in calls]
+    return message, _finish_reason(spec, calls, finish_reason)
+
+
+def _finish_reason(
+    spec: tools.ToolSpec, calls: Sequence[tools.ToolCall], finish_reason: str | None
+) -> str | None:
+    """``stop`` becomes ``tool_calls`` when the turn called tools (OpenAI's convention)."""
+    if calls and finish_reason == "stop":
+        return spec.finish_reason_for_calls
+    return finish_reason
 
 
 def _usage_frame(

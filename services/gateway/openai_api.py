@@ -29,16 +29,20 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.errors import CapacityError, InvalidRequestError, ResourceExhaustedError
 from engine.sampling_params import SamplingParams
+from services.gateway import tools
 from services.gateway.admission import retry_after_s
 from services.gateway.backend import BackendUnavailableError, GenerateInput
 from services.gateway.choices import MAX_N
 from services.gateway.served_model import ContextLengthError, ServedModel
+from services.gateway.tools import ToolCall, ToolSpec
+
+T = TypeVar("T")
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on the legacy completions ``logprobs``
@@ -140,6 +144,8 @@ class Limits:
 class ChatMessage:
     role: str  # one of CHAT_ROLES except "developer", which is read as "system"
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls (history)
+    tool_call_id: str = ""  # a tool message's answer to that call
 
 
 @dataclass(frozen=True)
@@ -167,6 +173,7 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     n: int = 1
+    tools: ToolSpec | None = None  # None: no tools (or tool_choice none)
 
 
 # -- field readers ---------------------------------------------------------------------------
@@ -534,8 +541,20 @@ def _messages(body: _Body) -> tuple[ChatMessage, ...]:
                 f"messages[{i}].role",
             )
         content = _content(i, role, m.get("content"))
-        out.append(ChatMessage("system" if role == "developer" else role, content))
+        calls = _tool_field(tools.parse_history_calls, i, m.get("tool_calls"))
+        call_id = m.get("tool_call_id", "")
+        if not isinstance(call_id, str):
+            raise _wrong_type(f"messages[{i}].tool_call_id", "a string", call_id)
+        role = "system" if role == "developer" else role
+        out.append(ChatMessage(role, content, calls if role == "assistant" else (), call_id))
     return tuple(out)
+
+
+def _tool_field(fn: Callable[..., T], *args: object) -> T:
+    try:
+        return fn(*args)
+    except tools.ToolError as exc:
+        raise bad_request(str(exc), exc.param) from None
 
 
 def parse_chat(body: object, models: Collection[str]) -> ChatRequest:
@@ -544,12 +563,9 @@ def parse_chat(body: object, models: Collection[str]) -> ChatRequest:
     model = _model(b, models)
     messages = _messages(b)
     n = _choices(b)
-    tools = b.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise _wrong_type("tools", "an array", tools)
-        if tools:
-            raise bad_request("Tool calling is not supported.", "tools")
+    spec = _tool_field(
+        tools.parse_tools, b.get("tools"), b.get("tool_choice"), b.get("parallel_tool_calls")
+    )
     fmt = b.get("response_format")
     if fmt is not None:
         if not isinstance(fmt, dict):
@@ -569,14 +585,25 @@ def parse_chat(body: object, models: Collection[str]) -> ChatRequest:
         )
     stream, include_usage = _stream_options(b)
     max_tokens = _max_tokens(b, "max_completion_tokens", "max_tokens")
+    params = _sampling(b, max_tokens, logprobs)
+    constraint = spec.constraint() if spec is not None else None
+    if constraint is not None:
+        if params.structured is not None:
+            raise bad_request(
+                "'response_format' cannot constrain the output while 'tool_choice' forces a "
+                "call (its arguments' schema constrains it).",
+                "response_format",
+            )
+        params = dataclasses.replace(params, structured=constraint)
     return ChatRequest(
         model=model,
         messages=messages,
-        params=_sampling(b, max_tokens, logprobs),
+        params=params,
         max_tokens=max_tokens,
         stream=stream,
         include_usage=include_usage,
         n=n,
+        tools=spec if spec is not None and spec.mode is not tools.Mode.NONE else None,
     )
 
 
@@ -589,6 +616,7 @@ def check_prompt_size(req: CompletionRequest | ChatRequest, model: ServedModel) 
     try:
         if isinstance(req, ChatRequest):
             chars = sum(len(m.content) for m in req.messages)
+            chars += len(req.tools.system_text()) if req.tools is not None else 0
             model.check_prompt_chars(chars, "messages")
         elif isinstance(req.prompt, str):
             model.check_prompt_chars(len(req.prompt))
@@ -642,7 +670,8 @@ def prepare_chat(
     """Apply the chat template, tokenize, and fix ``max_tokens`` (default: the rest of the
     context, at most ``limits.default_chat_max_tokens``). Raises ``ApiError``."""
     try:
-        ids = model.encode_chat([{"role": m.role, "content": m.content} for m in req.messages])
+        turns = [tools.Turn(m.role, m.content, m.tool_calls, m.tool_call_id) for m in req.messages]
+        ids = model.encode_chat(tools.render(turns, req.tools))
     except InvalidRequestError as exc:
         raise bad_request(str(exc), "messages") from None
     max_tokens = req.max_tokens

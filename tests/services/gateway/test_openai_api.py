@@ -247,7 +247,7 @@ def test_penalties_bias_and_min_tokens_reach_the_sampling_params() -> None:
         ({"max_tokens": -3}, "max_tokens", "minimum of 1"),
         ({"logprobs": 1}, "logprobs", "expected a boolean"),
         ({"top_logprobs": 3}, "top_logprobs", "not supported"),
-        ({"tools": [{"type": "function"}]}, "tools", "Tool calling is not supported"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function", "must be an object"),
         ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
         ({"n": 17}, "n", "at most 16"),
     ],
