@@ -123,8 +123,9 @@ async def serve(cfg: GatewayConfig) -> None:
         service, max_body_bytes=cfg.max_body_bytes, write_timeout_s=cfg.write_timeout_s
     )
     http = HttpServer(
-        app, cfg.host, cfg.http_port, cfg.drain_timeout_s, max_connections=cfg.max_connections
-    )
+        app, cfg.host, cfg.http_port, cfg.drain_timeout_s, max_connections=cfg.max_connections,
+        idle_timeout_s=cfg.idle_timeout_s,
+    )  # fmt: skip
     server = grpc_server(
         service, cfg.host, cfg.grpc_port, max_message_bytes=cfg.max_body_bytes,
         write_timeout_s=cfg.write_timeout_s,

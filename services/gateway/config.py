@@ -82,6 +82,12 @@ class GatewayConfig:
     max_connections: int = setting(
         512, "open HTTP connections; one more is answered 503 and closed"
     )
+    idle_timeout_s: float = setting(
+        15.0,
+        "an HTTP connection with no request under way (one that has sent nothing, half a "
+        "request head, or is idle between requests) is closed after this",
+        metavar="SECONDS",
+    )
     drain_timeout_s: float = setting(30.0, "on SIGTERM, how long in-flight streams may finish")
     max_migrations: int = setting(
         3,
@@ -137,7 +143,7 @@ class GatewayConfig:
                 raise ValueError(f"{name}={value} must be >= 1")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests={self.max_queued_requests} must be >= 0")
-        for name in ("queue_timeout_s", "write_timeout_s"):
+        for name in ("queue_timeout_s", "write_timeout_s", "idle_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
         if not self.rate_limit_rps >= 0:

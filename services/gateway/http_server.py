@@ -679,8 +679,10 @@ class HttpServer:
     """Runs an app on ``host:port`` (0: a free port, see ``port``).
 
     At most ``max_connections`` connections are served at once; one more is answered 503
-    and closed. ``stop`` stops listening, lets running handlers finish for up to
-    ``drain_timeout_s``, then cancels them (which aborts their generations).
+    and closed. A connection with no request under way is closed after ``idle_timeout_s``
+    (whether it sent nothing, half a request head, or is between requests). ``stop`` stops
+    listening, lets running handlers finish for up to ``drain_timeout_s``, then cancels them
+    (which aborts their generations).
     """
 
     def __init__(
@@ -691,12 +693,16 @@ class HttpServer:
         drain_timeout_s: float,
         *,
         max_connections: int = 512,
+        idle_timeout_s: float = 15.0,
     ):
         self._runner = web.AppRunner(
             app,
             handler_cancellation=True,
             shutdown_timeout=drain_timeout_s,
             access_log=None,
+            # aiohttp's keep-alive timer runs whenever no request is under way: it also
+            # closes a connection that sends nothing, or half a request head, for this long.
+            keepalive_timeout=idle_timeout_s,
         )
         self._metrics = app[SERVICE_KEY].metrics
         self._host = host

@@ -406,6 +406,25 @@ async def test_connections_past_the_cap_get_503_and_are_closed(gw, http) -> None
         await _until(served, "a connection is served once the others closed")
 
 
+async def test_a_connection_that_never_finishes_its_request_head_is_closed(gw) -> None:
+    """Slow loris: half a request head, then nothing. The connection is closed after the
+    idle timeout, so such clients cannot hold the connection cap for ever."""
+    service = _service(gw, AdmissionLimits(4))
+    async with _served(service, max_connections=2, idle_timeout_s=0.5) as (_, server):
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        silent_reader, silent_writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # no blank line
+        await writer.drain()
+        try:
+            async with asyncio.timeout(10):
+                assert await reader.read() == b""  # closed by the server, nothing answered
+                assert await silent_reader.read() == b""  # never sent a byte: closed too
+            await _eventually(lambda: server.connections == 0, "both are gone")
+        finally:
+            writer.close()
+            silent_writer.close()
+
+
 async def _until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 30.0) -> None:
     async with asyncio.timeout(timeout):
         while not await check():
