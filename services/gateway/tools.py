@@ -6,8 +6,11 @@ system turn (``ToolSpec.system_text``), in this format: the tools as JSON lines 
 
 - ``none``: tools are left out of the prompt; the answer is text.
 - ``auto``: free text, in which each call is ``<tool_call>{"name": ..., "arguments":
-  {...}}</tool_call>``; calls of a known tool with object arguments become ``tool_calls``,
-  anything else stays text. Nothing constrains the output: a model may answer or call.
+  {...}}</tool_call>`` (or a JSON list of such objects inside one pair of tags); calls of a
+  known tool with object arguments become ``tool_calls``, anything else stays text. Nothing
+  constrains the output: a model may answer or call. (The default SmolLM2-135M answers in
+  text under ``auto``: it is too small to choose a call by itself; ``required`` and a named
+  function make it call.)
 - ``required``: the output is constrained (``SamplingParams.structured``, a JSON Schema) to
   a JSON array of ``{"name", "arguments"}`` objects, each naming a tool and matching its
   parameters' schema (one only when ``parallel_tool_calls`` is false).
@@ -405,7 +408,7 @@ class ToolStream:
                 self._buffer = text
                 return events  # the object is not complete yet
             self._buffer = text[end:]
-            events += self._call_events(obj, raw=json.dumps(obj, ensure_ascii=False))
+            events += self._call_events(obj)
 
     def _take_tagged(self, final: bool) -> list[Event]:
         events: list[Event] = []
@@ -428,11 +431,13 @@ class ToolStream:
             raw = self._buffer[: end + len(CALL_CLOSE)] if end >= 0 else self._buffer
             self._buffer = self._buffer[len(raw) :]
             parsed = _json_object(body)
-            call_events = self._call_events(parsed, raw="") if parsed is not None else []
+            # One call, or a list of them (the form SmolLM2 was tuned on).
+            items = parsed if isinstance(parsed, list) else [parsed]
+            call_events = [e for item in items for e in self._call_events(item)]
             events += call_events or [Content(raw)]
         return events
 
-    def _call_events(self, obj: object, raw: str) -> list[Event]:
+    def _call_events(self, obj: object) -> list[Event]:
         """A parsed call object's events; none when it is not a call of a known tool (or
         one call is already made and parallel calls are off)."""
         if not isinstance(obj, dict):

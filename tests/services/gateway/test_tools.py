@@ -168,6 +168,8 @@ def test_auto_leaves_what_is_not_a_known_call_as_text() -> None:
     assert content == "Sure.\n" and [c.name for c in calls] == ["get_time"]  # unclosed at EOS
     _, calls = read_whole(_spec(parallel=False), AUTO_OUT)
     assert [c.name for c in calls] == ["get_weather"]
+    listed = '<tool_call>[{"name": "get_time", "arguments": {}}, {"name": "get_time"}]</tool_call>'
+    assert [c.name for c in read_whole(_spec(), listed)[1]] == ["get_time", "get_time"]
     content, calls = read_whole(_spec(), "Just text.")
     assert (content, calls) == ("Just text.", [])
 
