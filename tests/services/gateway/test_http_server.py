@@ -16,6 +16,7 @@ from contextlib import aclosing
 from dataclasses import replace
 
 import aiohttp
+import jsonschema
 import openai
 import pytest
 import pytest_asyncio
@@ -153,6 +154,86 @@ async def test_n_choices_are_the_seeded_requests_of_seed_plus_index(gw, client) 
     assert usage is not None
     assert usage.completion_tokens == sum(r.usage.completion_tokens for r in chat_singles)
     assert await gw.wait_blocks_free()
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+async def _streamed_calls(stream) -> tuple[str, list[tuple[str, str, str]], str | None]:
+    """Assemble a streamed turn as the OpenAI SDK's users do: content, calls by index
+    (id, name, arguments) and the finish reason."""
+    content, calls, finish = "", {}, None
+    async for chunk in stream:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, ["", "", ""])
+                entry[0] = d.id or entry[0]
+                entry[1] = d.function.name or entry[1]
+                entry[2] += d.function.arguments or ""
+    return content, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+async def test_forced_tool_calls_come_back_valid_whole_and_streamed(gw, client, choice) -> None:
+    """tool_choice required / named: the output is constrained to the tool's schema, so even
+    the small model returns valid arguments; whole and streamed give the same calls."""
+    args = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": choice}
+    args.update(max_tokens=40, temperature=0)
+    whole = (await client.chat.completions.create(**args)).choices[0]
+    calls = whole.message.tool_calls
+    assert calls and all(c.function.name == "get_weather" for c in calls)
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), WEATHER["function"]["parameters"])
+        assert c.id.startswith("call_") and c.type == "function"
+    assert whole.finish_reason == ("tool_calls" if choice == "required" else "stop")
+    assert not whole.message.content
+    content, streamed, finish = await _streamed_calls(
+        await client.chat.completions.create(stream=True, **args)
+    )
+    assert content == "" and finish == whole.finish_reason
+    assert [(n, json.loads(a)) for _, n, a in streamed] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in calls
+    ]
+    assert all(i.startswith("call_") for i, _, _ in streamed)
+
+
+async def test_a_tool_result_sent_back_gets_an_answer(gw, client) -> None:
+    """The rest of the conversation: the assistant's call and the tool's result in the
+    history (tool_choice auto), and the model answers in text."""
+    arguments = '{"city": "Paris", "unit": "celsius"}'
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": arguments}}  # fmt: skip
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    ]
+    resp = await client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], max_tokens=16, temperature=0
+    )
+    choice = resp.choices[0]
+    assert choice.message.content and not choice.message.tool_calls
+    assert choice.finish_reason in ("stop", "length")
 
 
 async def test_models_endpoint(client) -> None:
