@@ -7,9 +7,9 @@ less than xgrammar did on this CPU, compiled faster, and it has no dependencies
 
 Lifecycle (the engine drives it):
 
-1. ``check(structured)``: compile and validate, tokenizer-free; a bad schema, regex or
-   grammar is an ``InvalidRequestError`` naming the problem (the gateway calls it too, so
-   an HTTP client gets a 400 before any worker sees the request).
+1. ``engine.grammar_text.check(structured)``: the grammar text, validated tokenizer-free;
+   a bad schema, regex or grammar is an ``InvalidRequestError`` naming the problem (the
+   gateway calls it too, so an HTTP client gets a 400 before any worker sees it).
 2. ``Grammars.matcher(structured, resumed)``: a sequence's fresh ``Matcher``, with a
    migrated request's output tokens so far replayed, so it stands where the previous
    worker's stood.
@@ -22,7 +22,6 @@ Lifecycle (the engine drives it):
 from __future__ import annotations
 
 import functools
-import json
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
@@ -32,50 +31,15 @@ import llguidance.torch
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.structured import StructuredKind, StructuredOutput
+from engine.grammar_text import check
+from engine.structured import StructuredOutput
 from engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from engine.sequence import Sequence
 
-MAX_CACHED = 128  # compiled grammars kept per engine (and grammar texts per process)
-
-# JSON as people and small models write it ({"a": 1, "b": [2, 3]}), whitespace fixed: a
-# grammar that lets whitespace run on lets a weak model spend its whole budget on it.
-_JSON_OPTIONS: llguidance.JsonCompileOptions = {
-    "item_separator": ", ",
-    "key_separator": ": ",
-    "whitespace_flexible": False,
-}
+MAX_CACHED = 128  # compiled grammars kept per engine
 _BITS = torch.arange(32, dtype=torch.int32)
-
-
-@functools.lru_cache(maxsize=MAX_CACHED)
-def check(structured: StructuredOutput) -> str:
-    """The llguidance grammar for ``structured``; ``InvalidRequestError`` naming the problem
-    when the schema, regex or grammar does not compile."""
-    kind, spec = structured.kind, structured.spec
-    try:
-        if kind is StructuredKind.JSON_OBJECT:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                {"type": "object"}, defaults=_JSON_OPTIONS
-            )
-        elif kind is StructuredKind.JSON_SCHEMA:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                json.loads(spec), defaults=_JSON_OPTIONS
-            )
-        elif kind is StructuredKind.REGEX:
-            grammar = llguidance.LLMatcher.grammar_from_regex(spec)
-        elif kind is StructuredKind.CHOICE:
-            grammar = llguidance.grammar_from("choice", spec)
-        else:
-            grammar = llguidance.grammar_from("grammar", spec)  # Lark, or llama.cpp's GBNF
-    except ValueError as exc:
-        raise InvalidRequestError(f"structured output {kind.value}: {exc}") from None
-    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if failed:
-        raise InvalidRequestError(f"structured output {kind.value}: {messages[0].strip()}")
-    return grammar
 
 
 def lltokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:

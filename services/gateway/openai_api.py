@@ -16,6 +16,8 @@ which wins), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
 under the model's raw distribution; top alternatives are not computed, so completions'
 ``logprobs`` > 0 and chat's ``top_logprobs`` > 0 are rejected). ``n`` and ``best_of`` must
 be 1; ``echo``, ``suffix`` and tools are rejected when they would change the output.
+Structured outputs (``response_format``, vLLM's ``structured_outputs`` and ``guided_*``):
+``services.gateway.structured_api``.
 ``user`` and fields we do not know are ignored.
 
 Defaults: ``max_tokens`` is 16 for completions (OpenAI's) and, for chat, the rest of the
@@ -34,6 +36,8 @@ from typing import Any
 
 from engine.errors import CapacityError, InvalidRequestError, ResourceExhaustedError
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredOutput
+from services.gateway import structured_api
 from services.gateway.admission import retry_after_s
 from services.gateway.backend import BackendUnavailableError, GenerateInput
 from services.gateway.served_model import ContextLengthError, ServedModel
@@ -369,9 +373,18 @@ def _sampling(body: _Body, max_tokens: int | None, logprobs: bool) -> SamplingPa
             repetition_penalty=1.0 if repetition is None else repetition,
             logit_bias=_logit_bias(body),
             min_tokens=min_tokens or 0,
+            structured=_structured(body),
         )
     except InvalidRequestError as exc:
         raise from_engine_error(exc) from None
+
+
+def _structured(body: _Body) -> StructuredOutput | None:
+    """The request's structured output (``structured_api``), a 400 naming the parameter."""
+    try:
+        return structured_api.structured(body.raw)
+    except structured_api.ParamError as exc:
+        raise bad_request(str(exc), exc.param, exc.code) from None
 
 
 def _max_tokens(body: _Body, *names: str) -> int | None:
@@ -538,15 +551,6 @@ def parse_chat(body: object, models: Collection[str]) -> ChatRequest:
             raise _wrong_type("tools", "an array", tools)
         if tools:
             raise bad_request("Tool calling is not supported.", "tools")
-    fmt = b.get("response_format")
-    if fmt is not None:
-        if not isinstance(fmt, dict):
-            raise _wrong_type("response_format", "an object", fmt)
-        if fmt.get("type") != "text":
-            raise bad_request(
-                f"response_format type {fmt.get('type')!r} is not supported (only 'text').",
-                "response_format",
-            )
     logprobs = b.flag("logprobs")
     top = b.integer("top_logprobs", minimum=0)
     if top:

@@ -247,7 +247,7 @@ def test_penalties_bias_and_min_tokens_reach_the_sampling_params() -> None:
         ({"logprobs": 1}, "logprobs", "expected a boolean"),
         ({"top_logprobs": 3}, "top_logprobs", "not supported"),
         ({"tools": [{"type": "function"}]}, "tools", "Tool calling is not supported"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+        ({"response_format": {"type": "json_xml"}}, "response_format.type", "not supported"),
         ({"n": 2}, "n", "only 1 choice"),
     ],
 )
