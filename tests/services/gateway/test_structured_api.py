@@ -8,8 +8,11 @@ import json
 
 import pytest
 
+from engine.errors import InvalidRequestError
 from engine.structured import StructuredKind as K
 from engine.structured import StructuredOutput
+from pdserve.v1 import common_pb2
+from services.gateway import grpc_convert
 from services.gateway.openai_api import ApiError, parse_chat, parse_completion
 
 M = "smol"
@@ -89,3 +92,16 @@ def test_a_bad_constraint_is_a_400_naming_its_parameter(fields: dict, param: str
         err = info.value
         assert (err.status, err.param) == (400, param), err
         assert needle in err.message, err
+
+
+def test_the_grpc_edge_checks_the_proto_field() -> None:
+    ok = common_pb2.SamplingParams(
+        structured=common_pb2.StructuredOutput(kind=common_pb2.STRUCTURED_KIND_REGEX, spec="a+")
+    )
+    assert grpc_convert.sampling_from_proto(ok).structured == StructuredOutput(K.REGEX, "a+")
+    for spec, needle in [
+        (common_pb2.StructuredOutput(kind=common_pb2.STRUCTURED_KIND_REGEX, spec="[a-"), "regex"),
+        (common_pb2.StructuredOutput(spec="a"), "kind"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=needle):
+            grpc_convert.sampling_from_proto(common_pb2.SamplingParams(structured=spec))
