@@ -23,6 +23,7 @@ from engine.cache_events import CacheEventLog
 from engine.checkpoint import Checkpoint, load_checkpoint, model_digest
 from engine.device import DTYPES, resolve_device, resolve_dtype
 from engine.errors import CapacityError, InvalidRequestError, ResourceExhaustedError
+from engine.grammar import Grammars
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.kv_staging import KVStaging, LayerReady, after_enqueued, ready_now
 from engine.model import LlamaModel
@@ -306,6 +307,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.kv, self.tokenizer.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer, self.tokenizer.eos_token_ids)
+        self.grammars = Grammars(self.tokenizer, ckpt.config.vocab_size)
         self._ids = itertools.count()
         self.num_preemptions = 0
         # Sequences outside the scheduler: prefill plans awaiting release, and decode
@@ -400,9 +402,13 @@ class LLMEngine:
     ) -> Sequence:
         """A fresh sequence. A resumed one starts with its output tokens already in place
         (context to compute, counted against max_tokens) and its seeded random stream
-        advanced past them, so it samples what an uninterrupted run would have."""
+        advanced past them, so it samples what an uninterrupted run would have; its
+        structured output's matcher is advanced past them too. Raises InvalidRequestError
+        for a structured output that does not compile or that ``resumed`` breaks."""
         generator = _generator(params, self.device)
         seq = Sequence(request_id, ids, params, time.monotonic(), generator=generator)
+        if params.structured is not None:
+            seq.grammar = self.grammars.matcher(params.structured, resumed)
         if resumed:
             seq.output_ids = list(resumed)
             seq.output_logprobs = [float("nan")] * len(resumed)  # not known here, not re-sent
@@ -664,7 +670,13 @@ class LLMEngine:
         seq.output_ids.append(token_id)
         seq.output_logprobs.append(logprob)
         room = self.max_model_len - seq.num_tokens
-        delta, reason = self.outputs.process(seq.request_id, token_id, room)
+        if seq.grammar is not None and not seq.grammar.accept(token_id):
+            # The mask admits only allowed tokens: a failed state, never a crash of the loop.
+            log.error("grammar_refused_token", request_id=seq.request_id, token_id=token_id)
+            delta, reason = "", FinishReason.ERROR
+        else:
+            complete = seq.grammar is not None and seq.grammar.complete
+            delta, reason = self.outputs.process(seq.request_id, token_id, room, complete=complete)
         if reason is not None:
             self._export(seq)
             self.scheduler.finish(seq, reason)

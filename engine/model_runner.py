@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import penalties
+from engine import grammar, penalties
 from engine.forward_batch import DecodeBatch, ForwardBatch, PrefillSegment
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel
@@ -121,7 +121,10 @@ class ModelRunner:
         if not sampling:
             return []
         logits = self.model.compute_logits(hidden)
-        changed = penalties.apply(logits, [it.seq for it in sampling], self.eos_token_ids)
+        seqs = [it.seq for it in sampling]
+        # A grammar masks what the penalties left, so a constrained token is still the
+        # penalised distribution's pick among the allowed ones.
+        changed = grammar.mask(penalties.apply(logits, seqs, self.eos_token_ids), seqs)
         out = self.sampler(
             changed,
             [it.seq.params for it in sampling],

@@ -76,20 +76,23 @@ class OutputProcessor:
         self._streams.pop(request_id, None)
 
     def process(
-        self, request_id: str, token_id: int, room_left: int
+        self, request_id: str, token_id: int, room_left: int, *, complete: bool = False
     ) -> tuple[str, FinishReason | None]:
         """Account one sampled token; return the text it releases and why it finishes, if so.
 
         ``room_left`` is how many more tokens fit in the context after this one.
+        ``complete``: the token completed the request's structured output (its grammar
+        admits nothing more), which ends it like a stop.
         """
-        return self._account(self._streams[request_id], token_id, room_left)
+        return self._account(self._streams[request_id], token_id, room_left, complete)
 
     def _account(
-        self, s: _Stream, token_id: int, room_left: int
+        self, s: _Stream, token_id: int, room_left: int, complete: bool = False
     ) -> tuple[str, FinishReason | None]:
         s.num_output += 1
         p = s.params
-        is_eos = token_id in self.eos and not p.ignore_eos
+        # An EOS that completes a grammar ends the output even under ignore_eos.
+        is_eos = token_id in self.eos and (complete or not p.ignore_eos)
         if is_eos or token_id in p.stop_token_ids:
             # The stop token itself is not part of the text.
             return self._flush(s), FinishReason.STOP
@@ -98,6 +101,8 @@ class OutputProcessor:
             delta, stopped = s.stop.feed(delta)
             if stopped:
                 return delta, FinishReason.STOP
+        if complete:
+            return delta + self._flush(s), FinishReason.STOP
         if s.num_output >= p.max_tokens or room_left <= 0:
             return delta + self._flush(s), FinishReason.LENGTH
         return delta, None

@@ -90,12 +90,16 @@ class Sampler:
         logits = logits.float()
         sampled = [row for row, p in enumerate(params) if not p.greedy]
         # Rows at temperature 1 get the raw softmax normaliser from the sampler's own weights
-        # (unless penalties or a bias changed those weights: their raw logits are elsewhere).
+        # (unless penalties, a bias or a grammar changed those weights: their raw logits are
+        # elsewhere).
         known_norm = [
             row
             for row in sampled
             if params[row].temperature == 1.0
-            and (raw_logits is None or not params[row].changes_logits)
+            and (
+                raw_logits is None
+                or not (params[row].changes_logits or params[row].structured is not None)
+            )
         ]
         if not sampled:
             token_ids = torch.argmax(logits, dim=-1)

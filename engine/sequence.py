@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.grammar import Matcher
 
 
 class SequenceStatus(enum.Enum):
@@ -38,6 +42,7 @@ class Sequence:
     params: SamplingParams
     arrival_time: float
     generator: torch.Generator | None = None
+    grammar: Matcher | None = None  # a structured output's place in its grammar
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from engine.errors import InvalidRequestError
 from engine.output_processor import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredKind, StructuredOutput
 from pdserve.v1 import common_pb2
 from transfer.handle import KVLayout, MemoryRegionHandle
 
@@ -14,6 +16,14 @@ _FINISH = {
     "error": common_pb2.FINISH_REASON_ERROR,
 }
 _FINISH_NAMES = {v: k for k, v in _FINISH.items()}
+_STRUCTURED = {
+    StructuredKind.JSON_OBJECT: common_pb2.STRUCTURED_KIND_JSON_OBJECT,
+    StructuredKind.JSON_SCHEMA: common_pb2.STRUCTURED_KIND_JSON_SCHEMA,
+    StructuredKind.REGEX: common_pb2.STRUCTURED_KIND_REGEX,
+    StructuredKind.CHOICE: common_pb2.STRUCTURED_KIND_CHOICE,
+    StructuredKind.GRAMMAR: common_pb2.STRUCTURED_KIND_GRAMMAR,
+}
+_STRUCTURED_KINDS = {v: k for k, v in _STRUCTURED.items()}
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
@@ -40,6 +50,8 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         kwargs["top_p"] = p.top_p
     if p.HasField("seed"):
         kwargs["seed"] = p.seed
+    if p.HasField("structured"):
+        kwargs["structured"] = structured_from_proto(p.structured)
     return SamplingParams(**kwargs)  # type: ignore[arg-type]
 
 
@@ -63,7 +75,21 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
         p.repetition_penalty = s.repetition_penalty
     if s.seed is not None:
         p.seed = s.seed
+    if s.structured is not None:
+        p.structured.CopyFrom(structured_to_proto(s.structured))
     return p
+
+
+def structured_from_proto(p: common_pb2.StructuredOutput) -> StructuredOutput:
+    """Raises InvalidRequestError for an unset kind or a spec of the wrong shape."""
+    kind = _STRUCTURED_KINDS.get(p.kind)
+    if kind is None:
+        raise InvalidRequestError(f"sampling.structured.kind={p.kind} is invalid: set a kind")
+    return StructuredOutput(kind, p.spec)
+
+
+def structured_to_proto(s: StructuredOutput) -> common_pb2.StructuredOutput:
+    return common_pb2.StructuredOutput(kind=_STRUCTURED[s.kind], spec=s.spec)
 
 
 def layout_to_proto(lay: KVLayout) -> common_pb2.KVLayout:

@@ -7,8 +7,11 @@ it to INVALID_ARGUMENT.
 from __future__ import annotations
 
 from engine.errors import InvalidRequestError
+from engine.grammar_text import check
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredOutput
 from pdserve.v1 import common_pb2, gateway_pb2
+from services.common.convert import structured_from_proto
 from services.gateway.backend import GenerateChunk
 from services.gateway.served_model import ServedModel
 
@@ -48,7 +51,21 @@ def sampling_from_proto(sp: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos,
         logprobs=sp.logprobs,
+        structured=_structured(sp),
     )
+
+
+def _structured(sp: common_pb2.SamplingParams) -> StructuredOutput | None:
+    """The structured output, compiled and checked here so a bad one is INVALID_ARGUMENT
+    before any worker sees it."""
+    if not sp.HasField("structured"):
+        return None
+    out = structured_from_proto(sp.structured)
+    try:
+        check(out)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"sampling.structured: {exc}") from None
+    return out
 
 
 def check_prompt_size(

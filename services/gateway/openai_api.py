@@ -15,8 +15,10 @@ which wins), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
 ``logit_bias`` (``engine.penalties``), ``logprobs`` (the sampled tokens' log-probabilities
 under the model's raw distribution; top alternatives are not computed, so completions'
 ``logprobs`` > 0 and chat's ``top_logprobs`` > 0 are rejected), ``n`` (up to ``MAX_N``
-choices, ``services.gateway.choices``). ``best_of`` must be 1; ``echo``, ``suffix`` and
-tools are rejected when they would change the output.
+choices, ``services.gateway.choices``), ``tools`` / ``tool_choice`` /
+``parallel_tool_calls`` (``services.gateway.tools``). ``best_of`` must be 1; ``echo`` and
+``suffix`` are rejected. Structured outputs (``response_format``, vLLM's
+``structured_outputs`` and ``guided_*``): ``services.gateway.structured_api``.
 ``user`` and fields we do not know are ignored.
 
 Defaults: ``max_tokens`` is 16 for completions (OpenAI's) and, for chat, the rest of the
@@ -35,7 +37,8 @@ from typing import Any, TypeVar
 
 from engine.errors import CapacityError, InvalidRequestError, ResourceExhaustedError
 from engine.sampling_params import SamplingParams
-from services.gateway import tools
+from engine.structured import StructuredOutput
+from services.gateway import structured_api, tools
 from services.gateway.admission import retry_after_s
 from services.gateway.backend import BackendUnavailableError, GenerateInput
 from services.gateway.choices import MAX_N
@@ -387,9 +390,18 @@ def _sampling(body: _Body, max_tokens: int | None, logprobs: bool) -> SamplingPa
             repetition_penalty=1.0 if repetition is None else repetition,
             logit_bias=_logit_bias(body),
             min_tokens=min_tokens or 0,
+            structured=_structured(body),
         )
     except InvalidRequestError as exc:
         raise from_engine_error(exc) from None
+
+
+def _structured(body: _Body) -> StructuredOutput | None:
+    """The request's structured output (``structured_api``), a 400 naming the parameter."""
+    try:
+        return structured_api.structured(body.raw)
+    except structured_api.ParamError as exc:
+        raise bad_request(str(exc), exc.param, exc.code) from None
 
 
 def _max_tokens(body: _Body, *names: str) -> int | None:
@@ -566,15 +578,6 @@ def parse_chat(body: object, models: Collection[str]) -> ChatRequest:
     spec = _tool_field(
         tools.parse_tools, b.get("tools"), b.get("tool_choice"), b.get("parallel_tool_calls")
     )
-    fmt = b.get("response_format")
-    if fmt is not None:
-        if not isinstance(fmt, dict):
-            raise _wrong_type("response_format", "an object", fmt)
-        if fmt.get("type") != "text":
-            raise bad_request(
-                f"response_format type {fmt.get('type')!r} is not supported (only 'text').",
-                "response_format",
-            )
     logprobs = b.flag("logprobs")
     top = b.integer("top_logprobs", minimum=0)
     if top:

@@ -295,6 +295,9 @@ _SAMPLING = common_pb2.SamplingParams(
     repetition_penalty=1.25,
     min_tokens=4,
     logit_bias={42: -100.0, 7: 2.5},
+    structured=common_pb2.StructuredOutput(
+        kind=common_pb2.STRUCTURED_KIND_JSON_SCHEMA, spec='{"type": "object"}'
+    ),
 )
 _USAGE = common_pb2.Usage(prompt_tokens=1000, completion_tokens=37, cached_tokens=512)
 _TIMING = common_pb2.Timing(
@@ -330,6 +333,7 @@ SAMPLES: dict[str, Message] = {
     m.DESCRIPTOR.full_name: m
     for m in [
         _SAMPLING,
+        _SAMPLING.structured,
         _USAGE,
         _TIMING,
         common_pb2.ChatMessage(role="user", content="héllo ✓"),

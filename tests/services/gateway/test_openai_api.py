@@ -248,7 +248,7 @@ def test_penalties_bias_and_min_tokens_reach_the_sampling_params() -> None:
         ({"logprobs": 1}, "logprobs", "expected a boolean"),
         ({"top_logprobs": 3}, "top_logprobs", "not supported"),
         ({"tools": [{"type": "function"}]}, "tools[0].function", "must be an object"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+        ({"response_format": {"type": "json_xml"}}, "response_format.type", "not supported"),
         ({"n": 17}, "n", "at most 16"),
     ],
 )

@@ -1,0 +1,258 @@
+"""The grammar mask's cost per decode step: xgrammar against llguidance on this CPU.
+
+``python -m bench.grammar`` builds each library's tokenizer view from the default model's
+tokenizer, compiles a few JSON schemas (flat to nested) and ``json_object``, then walks B
+matchers (one per row) through a decode: each step computes the B next-token masks, applies
+them to ``[B, vocab]`` float32 logits (disallowed -> -inf) and advances every matcher by the
+masked argmax of random logits. Timed per step: mask + apply + advance (the argmax is the
+sampler's and is left out). A matcher whose grammar completes starts over. Reported per
+library, per schema and B: the median and p90 step time, and the compile time (cold: a
+fresh compiler per schema).
+
+The engine uses llguidance (``engine.grammar``): the figures and the reason are in
+docs/benchmarks.md, "Structured outputs: the grammar mask".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import torch
+
+from bench._common import machine_info, markdown_table, median, percentile, write_json
+from engine.checkpoint import default_model_path
+from engine.grammar import apply_bitmask
+from engine.tokenizer import Tokenizer
+
+SCHEMAS: dict[str, dict[str, Any] | None] = {
+    "json_object": None,
+    "flat": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["name", "age", "ok"],
+    },
+    "nested": {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer"},
+                    "tags": {"type": "array", "items": {"type": "string"}},
+                    "address": {
+                        "type": "object",
+                        "properties": {
+                            "city": {"type": "string"},
+                            "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                        },
+                        "required": ["city", "zip"],
+                    },
+                },
+                "required": ["id", "tags", "address"],
+            },
+            "kind": {"enum": ["a", "b", "c"]},
+        },
+        "required": ["user", "kind"],
+    },
+    "deep": {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "n": {"type": "number"},
+                        "children": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "properties": {
+                                    "label": {"type": "string"},
+                                    "score": {"type": "number", "minimum": 0},
+                                },
+                                "required": ["label"],
+                            },
+                        },
+                    },
+                    "required": ["n", "children"],
+                },
+            }
+        },
+        "required": ["items"],
+    },
+}
+
+
+class Backend(Protocol):
+    name: str
+
+    def compile(self, schema: dict[str, Any] | None) -> Any: ...
+    def matcher(self, compiled: Any) -> Any: ...
+    def fill(self, matchers: Sequence[Any], bitmask: torch.Tensor) -> None: ...
+    def accept(self, matcher: Any, token: int) -> None: ...
+    def done(self, matcher: Any) -> bool: ...
+
+
+class XGrammar:
+    name = "xgrammar"
+
+    def __init__(self, tok: Tokenizer, vocab: int) -> None:
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        vocab_bytes = [tok.token_bytes(i) for i in range(tok.vocab_size)]
+        self.info = xgr.TokenizerInfo(
+            vocab_bytes, xgr.VocabType.RAW, vocab_size=vocab,
+            stop_token_ids=sorted(tok.eos_token_ids),
+        )  # fmt: skip
+
+    def compile(self, schema: dict[str, Any] | None) -> Any:
+        compiler = self.xgr.GrammarCompiler(self.info, cache_enabled=False)
+        if schema is None:
+            return compiler.compile_builtin_json_grammar()
+        return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+
+    def matcher(self, compiled: Any) -> Any:
+        return self.xgr.GrammarMatcher(compiled)
+
+    def fill(self, matchers: Sequence[Any], bitmask: torch.Tensor) -> None:
+        for i, m in enumerate(matchers):
+            m.fill_next_token_bitmask(bitmask, i)
+
+    def accept(self, matcher: Any, token: int) -> None:
+        assert matcher.accept_token(token)
+
+    def done(self, matcher: Any) -> bool:
+        return matcher.is_terminated()
+
+
+class LLGuidance:
+    name = "llguidance"
+
+    def __init__(self, tok: Tokenizer, vocab: int) -> None:
+        import llguidance
+        import llguidance.torch
+
+        from engine.grammar import lltokenizer
+
+        self.llg = llguidance
+        self.llg_torch = llguidance.torch
+        self.tokenizer = lltokenizer(tok, vocab)
+        self.executor = llguidance.LLExecutor()
+
+    def compile(self, schema: dict[str, Any] | None) -> Any:
+        grammar = self.llg.LLMatcher.grammar_from_json_schema(
+            {"type": "object"} if schema is None else schema
+        )
+        matcher = self.llg.LLMatcher(self.tokenizer, grammar)  # llguidance compiles lazily
+        assert not matcher.is_error(), matcher.get_error()
+        return grammar
+
+    def matcher(self, compiled: Any) -> Any:
+        return self.llg.LLMatcher(self.tokenizer, compiled)
+
+    def fill(self, matchers: Sequence[Any], bitmask: torch.Tensor) -> None:
+        if len(matchers) == 1:
+            self.llg_torch.fill_next_token_bitmask(matchers[0], bitmask, 0)
+        else:
+            pairs = [(m, i) for i, m in enumerate(matchers)]
+            self.llg_torch.fill_next_token_bitmask_par(self.executor, pairs, bitmask)
+
+    def accept(self, matcher: Any, token: int) -> None:
+        assert matcher.consume_token(token), matcher.get_error()
+
+    def done(self, matcher: Any) -> bool:
+        return matcher.is_stopped()
+
+
+@dataclass(frozen=True)
+class Figure:
+    library: str
+    schema: str
+    batch: int
+    step_ms_median: float
+    step_ms_p90: float
+    compile_ms: float
+
+
+def _walk(backend: Backend, compiled: Any, batch: int, vocab: int, steps: int) -> list[float]:
+    """Per-step seconds of mask + apply + advance over ``steps`` steps of ``batch`` rows."""
+    gen = torch.Generator().manual_seed(0)
+    matchers = [backend.matcher(compiled) for _ in range(batch)]
+    bitmask = torch.zeros((batch, (vocab + 31) // 32), dtype=torch.int32)
+    times = []
+    for _ in range(steps):
+        logits = torch.randn(batch, vocab, generator=gen)
+        t0 = time.perf_counter()
+        backend.fill(matchers, bitmask)
+        apply_bitmask(logits, bitmask)
+        t1 = time.perf_counter()
+        tokens = torch.argmax(logits, dim=-1).tolist()
+        t2 = time.perf_counter()
+        for m, t in zip(matchers, tokens, strict=True):
+            backend.accept(m, t)
+        times.append(time.perf_counter() - t2 + t1 - t0)
+        matchers = [backend.matcher(compiled) if backend.done(m) else m for m in matchers]
+    return times
+
+
+def measure(
+    backends: Sequence[Callable[[Tokenizer, int], Backend]],
+    batches: Sequence[int],
+    steps: int,
+) -> list[Figure]:
+    tok = Tokenizer.from_path(default_model_path())
+    vocab = tok.vocab_size
+    figures = []
+    for make in backends:
+        backend = make(tok, vocab)
+        for name, schema in SCHEMAS.items():
+            t0 = time.perf_counter()
+            compiled = backend.compile(schema)
+            compile_ms = (time.perf_counter() - t0) * 1e3
+            for batch in batches:
+                times = _walk(backend, compiled, batch, vocab, steps)
+                ms = [t * 1e3 for t in times[2:]]  # the first steps warm caches
+                figures.append(
+                    Figure(backend.name, name, batch, median(ms), percentile(ms, 90), compile_ms)
+                )
+    return figures
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--library", choices=["xgrammar", "llguidance"], nargs="+",
+                    default=["xgrammar", "llguidance"])  # fmt: skip
+    ap.add_argument("--json", default=None, help="write the figures and the machine here")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    makers = {"xgrammar": XGrammar, "llguidance": LLGuidance}
+    figures = measure([makers[n] for n in args.library], args.batch, args.steps)
+    rows = [
+        [f.library, f.schema, str(f.batch), f"{f.step_ms_median:.3f}", f"{f.step_ms_p90:.3f}",
+         f"{f.compile_ms:.1f}"]
+        for f in figures
+    ]  # fmt: skip
+    header = ["library", "schema", "B", "step ms (median)", "step ms (p90)", "compile ms"]
+    print(markdown_table(header, rows))
+    if args.json:
+        write_json(args.json, {"machine": machine_info(), "figures": [asdict(f) for f in figures]})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
