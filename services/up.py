@@ -313,6 +313,7 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
         "http": f"http://{gateway.address}/v1",
         "grpc": _field(gateway.ready_text, "grpc") or f"{cfg.host}:{cfg.grpc_port}",
         "scheduler": sched.address,
+        "scheduler-metrics": f"http://{cfg.host}:{sched_metrics}/metrics",
         "redis": f"redis://127.0.0.1:{redis_port}/0",
         "redis-password-file": str(redis_password_file(workdir)),  # user REDIS_USER
         **({"kv-store": store_flags[1]} if store_flags else {}),

@@ -3,10 +3,16 @@ bit, as the same request undisturbed (issue 38). Real processes (``pdserve up``'
 redis-server, scheduler, gateway, a prefill worker and two decode workers on one transport),
 the official ``openai`` client, the default model in batch-invariant mode.
 
-Seeded streams run once undisturbed, then again while the decode worker running the most of
-them is killed (kill -9) mid-stream: the gateway places each of its streams again with the
-tokens the client already has, the prefill worker computes prompt + those tokens, the KV
-crosses the transport to the other decode worker, and the stream goes on.
+Seeded streams run once undisturbed, then again while the decode worker running them all
+is killed (kill -9) mid-stream (the other is frozen while they are placed, so every stream
+starts on the victim): the gateway places each stream again with the tokens the client
+already has, the prefill worker computes prompt + those tokens, the KV crosses the transport
+to the other decode worker, and the stream goes on. The streams ask for what applications
+send (issue 39, ``EXTRAS``): ``n`` = 2, penalties and ``logit_bias``, ``min_tokens``, a JSON
+schema, a required and a named tool call; the new worker rebuilds each one's state (penalty
+counts, the grammar matcher) from the tokens it resumes with. With the matcher's replay of
+the resumed tokens taken out (2026-12-06) the JSON-schema stream restarts its object
+mid-string and the test fails.
 
 Without the mode (this test with ``--batch-invariant`` taken out, 2026-12-06) it fails:
 the migrated streams' logprobs after the cut differ from the undisturbed run's in the last
@@ -16,6 +22,7 @@ bits (their text too, for about one seeded stream in a hundred: issue 38's runs)
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import openai
@@ -25,7 +32,7 @@ from services.launcher import Stack, free_port
 from services.up import launch, load_up_config
 from tests.scrape import metric
 
-TOKENS = 64
+TOKENS = 96
 STREAMS = 8
 QUESTIONS = [f"Tell me a story about a lighthouse keeper, part {i}." for i in range(STREAMS)]
 STORY_SCHEMA = {
@@ -116,6 +123,15 @@ def _running(endpoints: dict[str, str], worker: str) -> float:
     return metric(endpoints[f"metrics:{worker}"], "pdserve:num_requests_running", 'role="decode"')
 
 
+async def _workers(endpoints: dict[str, str], count: int) -> None:
+    """Wait until the scheduler has ``count`` decode workers registered."""
+    deadline = time.monotonic() + 30
+    url = endpoints["scheduler-metrics"]
+    while metric(url, "pdserve_scheduler_workers", 'role="decode"') != count:
+        assert time.monotonic() < deadline, f"the scheduler never had {count} decode workers"
+        await asyncio.sleep(0.1)
+
+
 async def test_a_killed_decode_workers_seeded_streams_continue_bit_for_bit(stack) -> None:
     st, endpoints = stack
     client = openai.AsyncOpenAI(base_url=endpoints["http"], api_key="unused", max_retries=0)
@@ -129,22 +145,34 @@ async def test_a_killed_decode_workers_seeded_streams_continue_bit_for_bit(stack
     assert all(len(lps) >= 16 for choices in undisturbed for _, lps in choices)
     assert len(undisturbed[1]) == 2 and undisturbed[1][0] != undisturbed[1][1]
 
-    seen = [0] * STREAMS
-    streams = [asyncio.ensure_future(_seeded(client, model, i, seen)) for i in range(STREAMS)]
-    deadline = time.monotonic() + 120
-    while min(seen) < 4:  # every choice has tokens: the kill lands mid-stream
-        assert time.monotonic() < deadline, seen
-        assert not any(s.done() for s in streams)
-        await asyncio.sleep(0.02)
-    decoders = [p for p in st.procs if p.name.startswith("decode-")]
-    victim = max(decoders, key=lambda p: _running(endpoints, p.name))
+    # Every stream starts on the victim: the other decode worker is frozen (so it expires
+    # from the scheduler) while they are placed, and back before the kill.
+    victim, other = sorted((p for p in st.procs if p.name.startswith("decode-")),
+                           key=lambda p: p.name)  # fmt: skip
+    assert victim.popen is not None and other.popen is not None
+    other.popen.send_signal(signal.SIGSTOP)
+    try:
+        await _workers(endpoints, 1)
+        seen = [0] * STREAMS
+        streams = [asyncio.ensure_future(_seeded(client, model, i, seen)) for i in range(STREAMS)]
+        deadline = time.monotonic() + 120
+        while min(seen) < 4:  # every choice has tokens: the kill lands mid-stream
+            assert time.monotonic() < deadline, seen
+            assert not any(s.done() for s in streams)
+            await asyncio.sleep(0.02)
+    finally:
+        other.popen.send_signal(signal.SIGCONT)
+    choices = sum(len(c) for c in undisturbed)
+    assert _running(endpoints, victim.name) == choices  # all of them, whatever they ask
+    await _workers(endpoints, 2)
     cut = list(seen)
-    assert victim.popen is not None
     victim.popen.kill()
     moved = await asyncio.wait_for(asyncio.gather(*streams), 180)
     gateway = endpoints["http"].removesuffix("/v1") + "/metrics"
-    assert metric(gateway, "pdserve:migrations_total", 'cause="decode_lost"') >= 1
-    assert max(cut) < 16  # no stream had ended before the kill
+    assert metric(gateway, "pdserve:migrations_total", 'cause="decode_lost"') >= choices
+    # No stream had ended before the kill.
+    ends = [min(len(lps) for _, lps in choices) for choices in undisturbed]
+    assert all(c < e for c, e in zip(cut, ends, strict=True)), (cut, ends)
     for i, (got, want) in enumerate(zip(moved, undisturbed, strict=True)):
         for k, ((got_text, got_lps), (want_text, want_lps)) in enumerate(
             zip(got, want, strict=True)
