@@ -175,7 +175,7 @@ async def _tools(client: Any, model: str) -> Check:
         model=model, messages=messages, tools=[WEATHER_TOOL], max_tokens=64, temperature=0
     )
     answer = final.choices[0].message.content or ""
-    ok = ok and bool(answer.strip())
+    ok = ok and bool(answer.strip()) and "<tool" not in answer
     results.append(f"answer after the tool: {answer.strip()[:60]!r}")
     return Check("tools", ok, "; ".join(results))
 
@@ -190,7 +190,7 @@ async def _penalties(client: Any, model: str) -> Check:
     top, count = Counter(tokens).most_common(1)[0]
     pen = await client.completions.create(**base, frequency_penalty=2.0, logprobs=0)
     pen_count = Counter(pen.choices[0].logprobs.tokens)[top]
-    first = (await client.completions.create(**base, max_tokens=1, logprobs=0)).choices[0]
+    first = (await client.completions.create(**{**base, "max_tokens": 1})).choices[0]
     first_id = _token_id(first.text)
     banned = await client.completions.create(
         **{**base, "max_tokens": 1}, logit_bias={str(first_id): -100}

@@ -18,7 +18,9 @@ system turn (``ToolSpec.system_text``), in this format: the tools as JSON lines 
   is its arguments.
 
 A conversation's history renders back the same way: an assistant turn's ``tool_calls`` as
-its ``<tool_call>`` lines, a ``tool`` message as a user turn holding ``<tool_response>``.
+its ``<tool_call>`` lines, a ``tool`` message as a ``tool`` turn holding the result (the
+ChatML template writes any role; of the forms tried, a ``tool`` turn is the one after which
+SmolLM2-135M answers from the result instead of repeating it).
 
 ``ToolStream`` turns a choice's streamed text into content and tool-call events as OpenAI
 streams them: a call's id and name first, then its arguments (all at once for ``auto`` and
@@ -285,21 +287,10 @@ class Turn:
 
 def render(turns: Sequence[Turn], spec: ToolSpec | None) -> list[dict[str, str]]:
     """The messages the chat template gets: the tools in the system turn (the request's
-    own system message first, or a new one), assistant calls as ``<tool_call>`` lines,
-    and each run of ``tool`` messages as one user turn of ``<tool_response>`` blocks."""
+    own system message first, or a new one), assistant calls as ``<tool_call>`` lines, and
+    a ``tool`` message as a turn of the ``tool`` role holding the result as sent."""
     out: list[dict[str, str]] = []
     for turn in turns:
-        if turn.role == "tool":
-            block = f"<tool_response>\n{turn.content}\n</tool_response>"
-            if (
-                out
-                and out[-1]["role"] == "user"
-                and out[-1]["content"].startswith("<tool_response>")
-            ):
-                out[-1]["content"] += "\n" + block
-            else:
-                out.append({"role": "user", "content": block})
-            continue
         content = turn.content
         if turn.tool_calls:
             lines = [_call_text(c) for c in turn.tool_calls]

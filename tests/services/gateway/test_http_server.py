@@ -233,6 +233,7 @@ async def test_a_tool_result_sent_back_gets_an_answer(gw, client) -> None:
     )
     choice = resp.choices[0]
     assert choice.message.content and not choice.message.tool_calls
+    assert "<tool" not in choice.message.content  # an answer, not the result echoed back
     assert choice.finish_reason in ("stop", "length")
 
 

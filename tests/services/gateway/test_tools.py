@@ -94,7 +94,7 @@ def test_the_prompt_carries_the_tools_and_the_history_in_the_documented_format()
         Turn("tool", "12:00", tool_call_id="call_2"),
     ]
     msgs = render(turns, spec)
-    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "tool"]
     system = msgs[0]["content"]
     assert system.startswith("Be brief.\n\nYou can call these functions:\n<tools>\n")
     lines = system.split("<tools>\n")[1].split("\n</tools>")[0].splitlines()
@@ -104,9 +104,7 @@ def test_the_prompt_carries_the_tools_and_the_history_in_the_documented_format()
         '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
         '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
     )
-    assert msgs[3]["content"] == (
-        '<tool_response>\n{"temp": 21}\n</tool_response>\n<tool_response>\n12:00\n</tool_response>'
-    )
+    assert [m["content"] for m in msgs[3:]] == ['{"temp": 21}', "12:00"]
     assert render([Turn("user", "hi")], _spec("none")) == [{"role": "user", "content": "hi"}]
     assert render([Turn("user", "hi")], spec)[0]["role"] == "system"  # a new system turn
 
