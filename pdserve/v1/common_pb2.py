@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xf8\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x10\n\x08logprobs\x18\x10 \x01(\x08\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x89\x01\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12\x1b\n\x13\x66irst_token_seconds\x18\x04 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x05 \x01(\x01\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa1\x01\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\"\n\x05order\x18\x07 \x01(\x0e\x32\x13.pdserve.v1.KVOrder\"\xa8\x01\n\x12MemoryRegionHandle\x12\x11\n\tregion_id\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x0b\n\x03key\x18\x05 \x01(\t\x12$\n\x06layout\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x18\n\x10transport_params\x18\x0f \x01(\x0c\"\x8a\x01\n\x0eWorkerCapacity\x12\x17\n\x0ftotal_kv_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x05 \x01(\r\"\xac\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\x12\x12\n\ntransports\x18\x05 \x03(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12,\n\x08\x63\x61pacity\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.WorkerCapacity\x12\x0f\n\x07host_id\x18\x08 \x01(\t\x12\x17\n\x0fstarted_unix_ns\x18\t \x01(\x03\x12\x0f\n\x07version\x18\n \x01(\t\x12\x18\n\x10kv_region_digest\x18\x0b \x01(\t\x12\x10\n\x08kv_store\x18\x0c \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*@\n\x07KVOrder\x12\x18\n\x14KV_ORDER_UNSPECIFIED\x10\x00\x12\x1b\n\x17KV_ORDER_LAYER_KV_BLOCK\x10\x01*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xb2\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x10\n\x08logprobs\x18\x10 \x01(\x08\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x14\n\x0ctop_logprobs\x18\x12 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x89\x01\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12\x1b\n\x13\x66irst_token_seconds\x18\x04 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x05 \x01(\x01\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa1\x01\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\"\n\x05order\x18\x07 \x01(\x0e\x32\x13.pdserve.v1.KVOrder\"\xa8\x01\n\x12MemoryRegionHandle\x12\x11\n\tregion_id\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x0b\n\x03key\x18\x05 \x01(\t\x12$\n\x06layout\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x18\n\x10transport_params\x18\x0f \x01(\x0c\"\x8a\x01\n\x0eWorkerCapacity\x12\x17\n\x0ftotal_kv_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x05 \x01(\r\"\xac\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\x12\x12\n\ntransports\x18\x05 \x03(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12,\n\x08\x63\x61pacity\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.WorkerCapacity\x12\x0f\n\x07host_id\x18\x08 \x01(\t\x12\x17\n\x0fstarted_unix_ns\x18\t \x01(\x03\x12\x0f\n\x07version\x18\n \x01(\t\x12\x18\n\x10kv_region_digest\x18\x0b \x01(\t\x12\x10\n\x08kv_store\x18\x0c \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*@\n\x07KVOrder\x12\x18\n\x14KV_ORDER_UNSPECIFIED\x10\x00\x12\x1b\n\x17KV_ORDER_LAYER_KV_BLOCK\x10\x01*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,32 +33,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1678
-  _globals['_FINISHREASON']._serialized_end=1823
-  _globals['_KVORDER']._serialized_start=1825
-  _globals['_KVORDER']._serialized_end=1889
-  _globals['_WORKERROLE']._serialized_start=1891
-  _globals['_WORKERROLE']._serialized_end=2008
+  _globals['_FINISHREASON']._serialized_start=1788
+  _globals['_FINISHREASON']._serialized_end=1933
+  _globals['_KVORDER']._serialized_start=1935
+  _globals['_KVORDER']._serialized_end=1999
+  _globals['_WORKERROLE']._serialized_start=2001
+  _globals['_WORKERROLE']._serialized_end=2118
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=544
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=423
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=471
-  _globals['_USAGE']._serialized_start=546
-  _globals['_USAGE']._serialized_end=626
-  _globals['_TIMING']._serialized_start=629
-  _globals['_TIMING']._serialized_end=766
-  _globals['_CHATMESSAGE']._serialized_start=768
-  _globals['_CHATMESSAGE']._serialized_end=812
-  _globals['_CHATMESSAGES']._serialized_start=814
-  _globals['_CHATMESSAGES']._serialized_end=871
-  _globals['_TOKENIDS']._serialized_start=873
-  _globals['_TOKENIDS']._serialized_end=896
-  _globals['_KVLAYOUT']._serialized_start=899
-  _globals['_KVLAYOUT']._serialized_end=1060
-  _globals['_MEMORYREGIONHANDLE']._serialized_start=1063
-  _globals['_MEMORYREGIONHANDLE']._serialized_end=1231
-  _globals['_WORKERCAPACITY']._serialized_start=1234
-  _globals['_WORKERCAPACITY']._serialized_end=1372
-  _globals['_WORKERINFO']._serialized_start=1375
-  _globals['_WORKERINFO']._serialized_end=1675
+  _globals['_SAMPLINGPARAMS']._serialized_end=602
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=481
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=529
+  _globals['_TOPLOGPROBS']._serialized_start=604
+  _globals['_TOPLOGPROBS']._serialized_end=654
+  _globals['_USAGE']._serialized_start=656
+  _globals['_USAGE']._serialized_end=736
+  _globals['_TIMING']._serialized_start=739
+  _globals['_TIMING']._serialized_end=876
+  _globals['_CHATMESSAGE']._serialized_start=878
+  _globals['_CHATMESSAGE']._serialized_end=922
+  _globals['_CHATMESSAGES']._serialized_start=924
+  _globals['_CHATMESSAGES']._serialized_end=981
+  _globals['_TOKENIDS']._serialized_start=983
+  _globals['_TOKENIDS']._serialized_end=1006
+  _globals['_KVLAYOUT']._serialized_start=1009
+  _globals['_KVLAYOUT']._serialized_end=1170
+  _globals['_MEMORYREGIONHANDLE']._serialized_start=1173
+  _globals['_MEMORYREGIONHANDLE']._serialized_end=1341
+  _globals['_WORKERCAPACITY']._serialized_start=1344
+  _globals['_WORKERCAPACITY']._serialized_end=1482
+  _globals['_WORKERINFO']._serialized_start=1485
+  _globals['_WORKERINFO']._serialized_end=1785
 # @@protoc_insertion_point(module_scope)
