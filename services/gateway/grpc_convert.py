@@ -9,6 +9,7 @@ from __future__ import annotations
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, gateway_pb2
+from services.common.convert import top_logprobs_to_proto
 from services.gateway.backend import GenerateChunk
 from services.gateway.served_model import ServedModel
 
@@ -48,6 +49,8 @@ def sampling_from_proto(sp: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos,
         logprobs=sp.logprobs,
+        top_logprobs=sp.top_logprobs,
+        include_stop_str_in_output=sp.include_stop_str_in_output,
     )
 
 
@@ -91,6 +94,7 @@ def event(
     if with_token_ids:
         ev.token_ids.extend(chunk.token_ids)
         ev.logprobs.extend(chunk.logprobs)
+        ev.top_logprobs.extend(top_logprobs_to_proto(t) for t in chunk.top_logprobs)
     if chunk.finish_reason is not None:
         ev.finish_reason = FINISH_REASONS.get(
             chunk.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED

@@ -28,6 +28,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.errors import EngineError, ResourceExhaustedError
+from engine.top_logprobs import TopLogprobs
 from services.gateway import openai_responses as out
 from services.gateway.admission import retry_after_header
 from services.gateway.backend import BackendUnavailableError, GenerateChunk, GenerateInput, ServedBy
@@ -37,6 +38,7 @@ from services.gateway.openai_api import (
     CompletionRequest,
     check_prompt_size,
     decode_json_body,
+    echo_text,
     from_engine_error,
     lookup,
     parse_chat,
@@ -207,6 +209,7 @@ class _Result:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     usage: dict[str, Any] = field(default_factory=dict)
     served_by: ServedBy = field(default_factory=ServedBy)
@@ -219,6 +222,7 @@ async def _collect(stream: AsyncIterator[GenerateChunk], prompt_param: str) -> _
         parts.append(c.text_delta)
         r.token_ids.extend(c.token_ids)
         r.logprobs.extend(c.logprobs)
+        r.top_logprobs.extend(c.top_logprobs)
         r.finish_reason = c.finish_reason
         r.usage = out.usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
         r.served_by = c.served_by
@@ -342,32 +346,36 @@ async def completions(request: web.Request) -> web.StreamResponse:
         inp = await service.prepare(prepare_completion, req, model, rid, service.limits)
         created = int(time.time())
         tok = model.tokenizer
+        echo = echo_text(req, model)
         stream = service.generate(inp, received_at)
         async with aclosing(stream):  # type: ignore[type-var]
             if not req.stream:
                 r = await _collect_or_500(stream, "prompt")
                 lp = (
-                    out.completion_logprobs(tok, r.token_ids, r.logprobs, 0)
+                    out.completion_logprobs(tok, r.token_ids, r.logprobs, len(echo), r.top_logprobs)
                     if inp.params.logprobs
                     else None
                 )
                 ext = out.extension(r.served_by)
+                text, reason = echo + r.text, r.finish_reason
                 return _json(
-                    out.completion(
-                        rid, created, model.name, r.text, r.finish_reason, lp, r.usage, ext
-                    )
+                    out.completion(rid, created, model.name, text, reason, lp, r.usage, ext)
                 )
             offset = 0
 
             def frames(c: GenerateChunk) -> list[dict[str, Any]]:
-                nonlocal offset
+                nonlocal offset, echo
+                text, echo = echo + c.text_delta, ""  # the echoed prompt leads the first frame
                 lp = None
                 if inp.params.logprobs:
-                    lp = out.completion_logprobs(tok, c.token_ids, c.logprobs, offset)
-                offset += len(c.text_delta)
-                if not c.text_delta and c.finish_reason is None and lp is None:
+                    lp = out.completion_logprobs(
+                        tok, c.token_ids, c.logprobs, offset + len(text) - len(c.text_delta),
+                        c.top_logprobs,
+                    )  # fmt: skip
+                offset += len(text)
+                if not text and c.finish_reason is None and lp is None:
                     return []
-                return [out.completion(rid, created, model.name, c.text_delta, c.finish_reason, lp)]
+                return [out.completion(rid, created, model.name, text, c.finish_reason, lp)]
 
             relay = _Relay(request, stream, "prompt")
             await relay.start()
@@ -398,7 +406,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             if not req.stream:
                 r = await _collect_or_500(stream, "messages")
                 lp = (
-                    out.chat_logprobs(tok, r.token_ids, r.logprobs) if inp.params.logprobs else None
+                    out.chat_logprobs(tok, r.token_ids, r.logprobs, r.top_logprobs)
+                    if inp.params.logprobs
+                    else None
                 )
                 ext = out.extension(r.served_by)
                 return _json(
@@ -410,7 +420,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             def frames(c: GenerateChunk) -> list[dict[str, Any]]:
                 result = []
                 lp = (
-                    out.chat_logprobs(tok, c.token_ids, c.logprobs) if inp.params.logprobs else None
+                    out.chat_logprobs(tok, c.token_ids, c.logprobs, c.top_logprobs)
+                    if inp.params.logprobs
+                    else None
                 )
                 if c.text_delta or lp is not None:
                     delta = {"content": c.text_delta}
