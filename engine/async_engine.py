@@ -37,6 +37,7 @@ from engine.llm_engine import LLMEngine, PrefillOutput, PrefillPlan, Reservation
 from engine.output_processor import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.threads import core_set, name_current_thread, pin_current_thread
+from engine.top_logprobs import TopLogprobs
 
 log = structlog.get_logger(__name__)
 
@@ -201,14 +202,19 @@ class AsyncEngine:
         first_logprob: float,
         *,
         num_cached_tokens: int = 0,
+        first_top_logprobs: TopLogprobs | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Decode role: the reserved blocks hold the prompt's KV; stream the generation.
-        ``num_cached_tokens``: as ``LLMEngine.add_prefilled``."""
+        ``num_cached_tokens``, ``first_top_logprobs``: as ``LLMEngine.add_prefilled``."""
         q = self._open(request_id)
 
         def add() -> None:
             ev = self.engine.add_prefilled(
-                request_id, first_token, first_logprob, num_cached_tokens=num_cached_tokens
+                request_id,
+                first_token,
+                first_logprob,
+                num_cached_tokens=num_cached_tokens,
+                first_top_logprobs=first_top_logprobs,
             )
             self._deliver(ev)
 

@@ -34,6 +34,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import Tokenizer
+from engine.top_logprobs import TopLogprobs
 from kernels.quant_linear import QuantizedWeight
 from kernels.quant_linear import kernel_available as quant_kernel_available
 
@@ -187,6 +188,7 @@ class PrefillOutput:
     block_ids: tuple[int, ...]  # still held: call ``release`` once the KV has been sent
     num_prompt_tokens: int
     num_cached_tokens: int
+    top_logprobs: TopLogprobs | None = None  # when the request asks for them
 
 
 @dataclass
@@ -195,6 +197,7 @@ class CompletionResult:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     num_cached_tokens: int = 0
@@ -502,6 +505,7 @@ class LLMEngine:
                     tuple(seq.block_table),
                     len(seq.prompt_ids),
                     seq.num_cached_tokens,
+                    tok.top,
                 )
             )
         return outs
@@ -612,12 +616,14 @@ class LLMEngine:
         first_logprob: float,
         *,
         num_cached_tokens: int = 0,
+        first_top_logprobs: TopLogprobs | None = None,
     ) -> RequestOutput:
         """Join a reserved sequence whose prompt KV has arrived; returns its first event.
 
         ``num_cached_tokens``: prompt tokens the prefill worker served from its own cache
         instead of computing them; the request's events report it (usage.cached_tokens:
-        tokens this request did not compute, whatever this pool already held)."""
+        tokens this request did not compute, whatever this pool already held).
+        ``first_top_logprobs``: the first token's step's, when the request asks for them."""
         seq = self._held.pop(request_id)
         if self.staging is not None:
             # The prefill worker wrote the blocks after those present at reservation.
@@ -630,7 +636,7 @@ class LLMEngine:
         self.scheduler.advance(ScheduledSeq(seq, 0))  # publish the prompt's full blocks
         seq.num_exported_blocks = len(seq.block_hashes)  # the prefill worker's to export
         self.outputs.add(request_id, seq.params, seq.output_ids)
-        return self._emit(seq, first_token, first_logprob)
+        return self._emit(seq, first_token, first_logprob, first_top_logprobs)
 
     def abort_request(self, request_id: str) -> bool:
         """Cancel a request and free its blocks; False if it is not (or no longer) here."""
@@ -664,9 +670,11 @@ class LLMEngine:
         sampled = self.runner.execute(plan.scheduled)
         for it in plan.scheduled:
             self.scheduler.advance(it)
-        return [self._emit(s.item.seq, s.token_id, s.logprob) for s in sampled]
+        return [self._emit(s.item.seq, s.token_id, s.logprob, s.top) for s in sampled]
 
-    def _emit(self, seq: Sequence, token_id: int, logprob: float) -> RequestOutput:
+    def _emit(
+        self, seq: Sequence, token_id: int, logprob: float, top: TopLogprobs | None = None
+    ) -> RequestOutput:
         seq.output_ids.append(token_id)
         seq.output_logprobs.append(logprob)
         room = self.max_model_len - seq.num_tokens
@@ -692,6 +700,7 @@ class LLMEngine:
             num_output_tokens=len(seq.output_ids),
             # a hit may reach into a migrated request's resumed tokens: usage counts prompt
             num_cached_tokens=min(seq.num_cached_tokens, len(seq.prompt_ids)),
+            new_top_logprobs=(top,) if top is not None else (),
         )
 
     # -- conveniences ----------------------------------------------------------------
@@ -719,6 +728,7 @@ class LLMEngine:
                 r = results[out.request_id]
                 r.token_ids.extend(out.new_token_ids)
                 r.logprobs.extend(out.new_logprobs)
+                r.top_logprobs.extend(out.new_top_logprobs)
                 r.text += out.text_delta
                 r.num_cached_tokens = out.num_cached_tokens
                 if out.finished:

@@ -19,6 +19,7 @@ from engine.kv_cache import KVCache
 from engine.model import LlamaModel
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledSeq
+from engine.top_logprobs import TopLogprobs, top_logprobs
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class SampledToken:
     item: ScheduledSeq
     token_id: int
     logprob: float
+    top: TopLogprobs | None = None  # when the request asks for top_logprobs
 
 
 def build_forward_batch(items: Seq[ScheduledSeq], block_size: int) -> ForwardBatch:
@@ -125,18 +127,23 @@ class ModelRunner:
         # A grammar masks what the penalties left, so a constrained token is still the
         # penalised distribution's pick among the allowed ones.
         changed = grammar.mask(penalties.apply(logits, seqs, self.eos_token_ids), seqs)
+        params = [it.seq.params for it in sampling]
         out = self.sampler(
             changed,
-            [it.seq.params for it in sampling],
+            params,
             [it.seq.generator for it in sampling],
             raw_logits=logits,
         )
-        # The step's one read of the device: ids and logprobs in one copy (float64 holds
-        # every token id and float32 logprob exactly).
+        # The step's one read of the device (a second only for rows asking for top logprobs):
+        # ids and logprobs in one copy (float64 holds every id and float32 logprob exactly).
         both = torch.stack((out.token_ids.double(), out.logprobs.double())).tolist()
         toks = [int(t) for t in both[0]]
         lps = both[1]
-        return [SampledToken(it, t, lp) for it, t, lp in zip(sampling, toks, lps, strict=True)]
+        tops = top_logprobs(logits, params)
+        return [
+            SampledToken(it, t, lp, top)
+            for it, t, lp, top in zip(sampling, toks, lps, tops, strict=True)
+        ]
 
     @torch.inference_mode()
     def logits_for(self, items: Seq[ScheduledSeq]) -> torch.Tensor:

@@ -16,11 +16,15 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason
 from engine.stop_checker import StopChecker
 from engine.tokenizer import Tokenizer
+from engine.top_logprobs import TopLogprobs
 
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """What one step produced for one request (a streaming event)."""
+    """What one step produced for one request (a streaming event).
+
+    ``new_top_logprobs``: one entry per new token when the request asks for top logprobs
+    (``SamplingParams.top_logprobs``), else empty."""
 
     request_id: str
     new_token_ids: tuple[int, ...]
@@ -31,6 +35,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0
+    new_top_logprobs: tuple[TopLogprobs, ...] = ()
 
 
 @dataclass
@@ -61,7 +66,11 @@ class OutputProcessor:
 
     def _replayed(self, params: SamplingParams, resumed: Seq[int]) -> _Stream:
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
-        stop = StopChecker(params.stop) if params.stop else None
+        stop = (
+            StopChecker(params.stop, include_stop=params.include_stop_str_in_output)
+            if params.stop
+            else None
+        )
         s = _Stream(params, detok, stop)
         for i, token_id in enumerate(resumed):
             _, reason = self._account(s, token_id, room_left=1)

@@ -221,17 +221,17 @@ def _raw_logprobs(
     batch = logits.shape[0]
     chosen = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     if totals is None or not known_norm:
-        return chosen - _log_normaliser(logits)
+        return chosen - log_normaliser(logits)
     log_norm = totals.log_().add_(logits.amax(dim=-1))
     if len(known_norm) < batch:
         known = set(known_norm)
         rest = [row for row in range(batch) if row not in known]
         rest_index = torch.tensor(rest, device=logits.device)
-        log_norm[rest_index] = _log_normaliser(logits.index_select(0, rest_index))
+        log_norm[rest_index] = log_normaliser(logits.index_select(0, rest_index))
     return chosen - log_norm
 
 
-def _log_normaliser(logits: torch.Tensor) -> torch.Tensor:
+def log_normaliser(logits: torch.Tensor) -> torch.Tensor:
     """``logsumexp`` of each row, with ``exp``'s arguments floored at ``_MIN_EXPONENT``.
 
     The floor changes no float32 result (a floored term adds 1.8e-35 to a sum of at least 1)

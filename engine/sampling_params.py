@@ -11,6 +11,7 @@ from engine.structured import StructuredOutput
 
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 _MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts up to an unsigned 64-bit value
 
 
@@ -48,6 +49,11 @@ class SamplingParams:
     A dict given as ``logit_bias`` is stored as sorted pairs.
 
     ``structured``: a constraint the whole output must meet (``engine.structured``), or None.
+
+    ``logprobs``: return each sampled token's log-probability under the model's raw
+    distribution; ``top_logprobs`` (0 to 20, needs ``logprobs``): also that many most likely
+    tokens at each step and theirs. ``include_stop_str_in_output``: a matched stop string
+    stays at the end of the text instead of being cut.
     """
 
     max_tokens: int = 16
@@ -66,6 +72,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     structured: StructuredOutput | None = None
+    top_logprobs: int = 0
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens <= 0:
@@ -108,6 +116,15 @@ class SamplingParams:
             raise _bad("min_tokens", self.min_tokens, "must be an integer in [0, max_tokens]")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise _bad("structured", self.structured, "must be a StructuredOutput or None")
+        top = self.top_logprobs
+        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise _bad("top_logprobs", top, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if top and not self.logprobs:
+            raise _bad("top_logprobs", top, "needs logprobs=True")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise _bad(
+                "include_stop_str_in_output", self.include_stop_str_in_output, "must be a boolean"
+            )
 
     @staticmethod
     def _normalise_stop(stop: object) -> tuple[str, ...]:

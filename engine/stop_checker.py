@@ -17,11 +17,14 @@ class StopChecker:
     contains another strictly inside it. The result does not depend on how the text is
     chunked into deltas.
 
+    ``include_stop``: the output runs to the end of the matched stop string instead (vLLM's
+    ``include_stop_str_in_output``); which occurrence stops the stream is the same.
+
     Once ``feed`` has reported a stop, or ``flush`` has ended the stream, any further call
     raises ``RuntimeError``.
     """
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], *, include_stop: bool = False) -> None:
         if isinstance(stop, str):
             raise TypeError("stop must be a sequence of strings, not a single str")
         for entry in stop:
@@ -29,6 +32,7 @@ class StopChecker:
                 raise ValueError(f"stop strings must be non-empty str, got {entry!r}")
         self._stop = tuple(dict.fromkeys(stop))
         self._max_hold = max((len(s) for s in self._stop), default=1) - 1
+        self._include_stop = include_stop
         self._held = ""
         self._finished = False
         self._stopped = False
@@ -46,18 +50,20 @@ class StopChecker:
     def feed(self, delta: str) -> tuple[str, bool]:
         """Take the next chunk; return ``(text safe to emit now, stopped)``.
 
-        When ``stopped`` is True the returned text ends right before the stop string.
+        When ``stopped`` is True the returned text ends right before the stop string (right
+        after it with ``include_stop``).
         """
         if self._finished:
             raise RuntimeError("StopChecker has already finished; feed() is no longer valid")
         if not self._stop:
             return delta, False
         text = self._held + delta
-        cut = self._first_stop(text)
-        if cut is not None:
+        match = self._first_stop(text)
+        if match is not None:
             self._finished = self._stopped = True
             self._held = ""
-            return text[:cut], True
+            start, end = match
+            return text[: end if self._include_stop else start], True
         keep = self._longest_pending_suffix(text)
         self._held = text[len(text) - keep :]
         return text[: len(text) - keep], False
@@ -70,7 +76,7 @@ class StopChecker:
         held, self._held = self._held, ""
         return held
 
-    def _first_stop(self, text: str) -> int | None:
+    def _first_stop(self, text: str) -> tuple[int, int] | None:
         # All earlier text was emitted only after it was proven not to start a stop string, so
         # every occurrence that has completed is inside ``text``; the earliest end wins.
         best_end: int | None = None
@@ -82,7 +88,7 @@ class StopChecker:
             end = start + len(s)
             if best_end is None or end < best_end or (end == best_end and start < best_start):
                 best_end, best_start = end, start
-        return None if best_end is None else best_start
+        return None if best_end is None else (best_start, best_end)
 
     def _longest_pending_suffix(self, text: str) -> int:
         # Longest suffix of ``text`` that is a proper prefix of some stop string. Every shorter

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xaa\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x10\n\x08logprobs\x18\x10 \x01(\x08\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x30\n\nstructured\x18\x13 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"J\n\x10StructuredOutput\x12(\n\x04kind\x18\x01 \x01(\x0e\x32\x1a.pdserve.v1.StructuredKind\x12\x0c\n\x04spec\x18\x02 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x89\x01\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12\x1b\n\x13\x66irst_token_seconds\x18\x04 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x05 \x01(\x01\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa1\x01\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\"\n\x05order\x18\x07 \x01(\x0e\x32\x13.pdserve.v1.KVOrder\"\xa8\x01\n\x12MemoryRegionHandle\x12\x11\n\tregion_id\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x0b\n\x03key\x18\x05 \x01(\t\x12$\n\x06layout\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x18\n\x10transport_params\x18\x0f \x01(\x0c\"\x8a\x01\n\x0eWorkerCapacity\x12\x17\n\x0ftotal_kv_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x05 \x01(\r\"\xac\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\x12\x12\n\ntransports\x18\x05 \x03(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12,\n\x08\x63\x61pacity\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.WorkerCapacity\x12\x0f\n\x07host_id\x18\x08 \x01(\t\x12\x17\n\x0fstarted_unix_ns\x18\t \x01(\x03\x12\x0f\n\x07version\x18\n \x01(\t\x12\x18\n\x10kv_region_digest\x18\x0b \x01(\t\x12\x10\n\x08kv_store\x18\x0c \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\xc7\x01\n\x0eStructuredKind\x12\x1f\n\x1bSTRUCTURED_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1bSTRUCTURED_KIND_JSON_OBJECT\x10\x01\x12\x1f\n\x1bSTRUCTURED_KIND_JSON_SCHEMA\x10\x02\x12\x19\n\x15STRUCTURED_KIND_REGEX\x10\x03\x12\x1a\n\x16STRUCTURED_KIND_CHOICE\x10\x04\x12\x1b\n\x17STRUCTURED_KIND_GRAMMAR\x10\x05*@\n\x07KVOrder\x12\x18\n\x14KV_ORDER_UNSPECIFIED\x10\x00\x12\x1b\n\x17KV_ORDER_LAYER_KV_BLOCK\x10\x01*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xe4\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x10\n\x08logprobs\x18\x10 \x01(\x08\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x14\n\x0ctop_logprobs\x18\x12 \x01(\r\x12\x30\n\nstructured\x18\x13 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"J\n\x10StructuredOutput\x12(\n\x04kind\x18\x01 \x01(\x0e\x32\x1a.pdserve.v1.StructuredKind\x12\x0c\n\x04spec\x18\x02 \x01(\t\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x89\x01\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12\x1b\n\x13\x66irst_token_seconds\x18\x04 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x05 \x01(\x01\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa1\x01\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\"\n\x05order\x18\x07 \x01(\x0e\x32\x13.pdserve.v1.KVOrder\"\xa8\x01\n\x12MemoryRegionHandle\x12\x11\n\tregion_id\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x0b\n\x03key\x18\x05 \x01(\t\x12$\n\x06layout\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x18\n\x10transport_params\x18\x0f \x01(\x0c\"\x8a\x01\n\x0eWorkerCapacity\x12\x17\n\x0ftotal_kv_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x05 \x01(\r\"\xac\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\x12\x12\n\ntransports\x18\x05 \x03(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12,\n\x08\x63\x61pacity\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.WorkerCapacity\x12\x0f\n\x07host_id\x18\x08 \x01(\t\x12\x17\n\x0fstarted_unix_ns\x18\t \x01(\x03\x12\x0f\n\x07version\x18\n \x01(\t\x12\x18\n\x10kv_region_digest\x18\x0b \x01(\t\x12\x10\n\x08kv_store\x18\x0c \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\xc7\x01\n\x0eStructuredKind\x12\x1f\n\x1bSTRUCTURED_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1bSTRUCTURED_KIND_JSON_OBJECT\x10\x01\x12\x1f\n\x1bSTRUCTURED_KIND_JSON_SCHEMA\x10\x02\x12\x19\n\x15STRUCTURED_KIND_REGEX\x10\x03\x12\x1a\n\x16STRUCTURED_KIND_CHOICE\x10\x04\x12\x1b\n\x17STRUCTURED_KIND_GRAMMAR\x10\x05*@\n\x07KVOrder\x12\x18\n\x14KV_ORDER_UNSPECIFIED\x10\x00\x12\x1b\n\x17KV_ORDER_LAYER_KV_BLOCK\x10\x01*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,36 +33,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1804
-  _globals['_FINISHREASON']._serialized_end=1949
-  _globals['_STRUCTUREDKIND']._serialized_start=1952
-  _globals['_STRUCTUREDKIND']._serialized_end=2151
-  _globals['_KVORDER']._serialized_start=2153
-  _globals['_KVORDER']._serialized_end=2217
-  _globals['_WORKERROLE']._serialized_start=2219
-  _globals['_WORKERROLE']._serialized_end=2336
+  _globals['_FINISHREASON']._serialized_start=1914
+  _globals['_FINISHREASON']._serialized_end=2059
+  _globals['_STRUCTUREDKIND']._serialized_start=2062
+  _globals['_STRUCTUREDKIND']._serialized_end=2261
+  _globals['_KVORDER']._serialized_start=2263
+  _globals['_KVORDER']._serialized_end=2327
+  _globals['_WORKERROLE']._serialized_start=2329
+  _globals['_WORKERROLE']._serialized_end=2446
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=594
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=473
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=521
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=596
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=670
-  _globals['_USAGE']._serialized_start=672
-  _globals['_USAGE']._serialized_end=752
-  _globals['_TIMING']._serialized_start=755
-  _globals['_TIMING']._serialized_end=892
-  _globals['_CHATMESSAGE']._serialized_start=894
-  _globals['_CHATMESSAGE']._serialized_end=938
-  _globals['_CHATMESSAGES']._serialized_start=940
-  _globals['_CHATMESSAGES']._serialized_end=997
-  _globals['_TOKENIDS']._serialized_start=999
-  _globals['_TOKENIDS']._serialized_end=1022
-  _globals['_KVLAYOUT']._serialized_start=1025
-  _globals['_KVLAYOUT']._serialized_end=1186
-  _globals['_MEMORYREGIONHANDLE']._serialized_start=1189
-  _globals['_MEMORYREGIONHANDLE']._serialized_end=1357
-  _globals['_WORKERCAPACITY']._serialized_start=1360
-  _globals['_WORKERCAPACITY']._serialized_end=1498
-  _globals['_WORKERINFO']._serialized_start=1501
-  _globals['_WORKERINFO']._serialized_end=1801
+  _globals['_SAMPLINGPARAMS']._serialized_end=652
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=531
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=579
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=654
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=728
+  _globals['_TOPLOGPROBS']._serialized_start=730
+  _globals['_TOPLOGPROBS']._serialized_end=780
+  _globals['_USAGE']._serialized_start=782
+  _globals['_USAGE']._serialized_end=862
+  _globals['_TIMING']._serialized_start=865
+  _globals['_TIMING']._serialized_end=1002
+  _globals['_CHATMESSAGE']._serialized_start=1004
+  _globals['_CHATMESSAGE']._serialized_end=1048
+  _globals['_CHATMESSAGES']._serialized_start=1050
+  _globals['_CHATMESSAGES']._serialized_end=1107
+  _globals['_TOKENIDS']._serialized_start=1109
+  _globals['_TOKENIDS']._serialized_end=1132
+  _globals['_KVLAYOUT']._serialized_start=1135
+  _globals['_KVLAYOUT']._serialized_end=1296
+  _globals['_MEMORYREGIONHANDLE']._serialized_start=1299
+  _globals['_MEMORYREGIONHANDLE']._serialized_end=1467
+  _globals['_WORKERCAPACITY']._serialized_start=1470
+  _globals['_WORKERCAPACITY']._serialized_end=1608
+  _globals['_WORKERINFO']._serialized_start=1611
+  _globals['_WORKERINFO']._serialized_end=1911
 # @@protoc_insertion_point(module_scope)

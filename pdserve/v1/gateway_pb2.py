@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/gateway.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xf3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\n \x01(\tH\x00\x12(\n\x04\x63hat\x18\x0b \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12\x30\n\x10prompt_token_ids\x18\x0c \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x14 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x18\n\x10return_token_ids\x18\x1e \x01(\x08\x42\x07\n\x05input\"\xbe\x02\n\rGenerateEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x18\n\x10produced_unix_ns\x18\x05 \x01(\x03\x12/\n\rfinish_reason\x18\n \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x0b \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x0c \x01(\tH\x00\x12\x15\n\rerror_message\x18\r \x01(\t\x12 \n\x05usage\x18\x14 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x15 \x01(\x0b\x32\x12.pdserve.v1.TimingB\x0e\n\x0cmatched_stop\"\x13\n\x11ListModelsRequest\"8\n\x0fListModelsReply\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelCard\"X\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x16\n\x0e\x63reated_unix_s\x18\x04 \x01(\x03\x32\x99\x01\n\x07Gateway\x12\x44\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x19.pdserve.v1.GenerateEvent0\x01\x12H\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1b.pdserve.v1.ListModelsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/gateway.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xf3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\n \x01(\tH\x00\x12(\n\x04\x63hat\x18\x0b \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12\x30\n\x10prompt_token_ids\x18\x0c \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x14 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x18\n\x10return_token_ids\x18\x1e \x01(\x08\x42\x07\n\x05input\"\xed\x02\n\rGenerateEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x18\n\x10produced_unix_ns\x18\x05 \x01(\x03\x12-\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12/\n\rfinish_reason\x18\n \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x0b \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x0c \x01(\tH\x00\x12\x15\n\rerror_message\x18\r \x01(\t\x12 \n\x05usage\x18\x14 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x15 \x01(\x0b\x32\x12.pdserve.v1.TimingB\x0e\n\x0cmatched_stop\"\x13\n\x11ListModelsRequest\"8\n\x0fListModelsReply\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelCard\"X\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x16\n\x0e\x63reated_unix_s\x18\x04 \x01(\x03\x32\x99\x01\n\x07Gateway\x12\x44\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x19.pdserve.v1.GenerateEvent0\x01\x12H\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1b.pdserve.v1.ListModelsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,13 +35,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=66
   _globals['_GENERATEREQUEST']._serialized_end=309
   _globals['_GENERATEEVENT']._serialized_start=312
-  _globals['_GENERATEEVENT']._serialized_end=630
-  _globals['_LISTMODELSREQUEST']._serialized_start=632
-  _globals['_LISTMODELSREQUEST']._serialized_end=651
-  _globals['_LISTMODELSREPLY']._serialized_start=653
-  _globals['_LISTMODELSREPLY']._serialized_end=709
-  _globals['_MODELCARD']._serialized_start=711
-  _globals['_MODELCARD']._serialized_end=799
-  _globals['_GATEWAY']._serialized_start=802
-  _globals['_GATEWAY']._serialized_end=955
+  _globals['_GENERATEEVENT']._serialized_end=677
+  _globals['_LISTMODELSREQUEST']._serialized_start=679
+  _globals['_LISTMODELSREQUEST']._serialized_end=698
+  _globals['_LISTMODELSREPLY']._serialized_start=700
+  _globals['_LISTMODELSREPLY']._serialized_end=756
+  _globals['_MODELCARD']._serialized_start=758
+  _globals['_MODELCARD']._serialized_end=846
+  _globals['_GATEWAY']._serialized_start=849
+  _globals['_GATEWAY']._serialized_end=1002
 # @@protoc_insertion_point(module_scope)

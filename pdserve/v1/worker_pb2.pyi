@@ -40,10 +40,11 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., placement_token: _Optional[str] = ..., attempt: _Optional[int] = ..., kv_destination: _Optional[_Union[KVDestination, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_token_logprob", "num_cached_tokens", "num_computed_tokens", "kv_transfer_bytes", "queue_seconds", "compute_seconds", "transfer_seconds", "transfer_tail_seconds")
+    __slots__ = ("request_id", "first_token_id", "first_token_logprob", "first_token_top_logprobs", "num_cached_tokens", "num_computed_tokens", "kv_transfer_bytes", "queue_seconds", "compute_seconds", "transfer_seconds", "transfer_tail_seconds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +55,7 @@ class PrefillReply(_message.Message):
     request_id: str
     first_token_id: int
     first_token_logprob: float
+    first_token_top_logprobs: _common_pb2.TopLogprobs
     num_cached_tokens: int
     num_computed_tokens: int
     kv_transfer_bytes: int
@@ -61,7 +63,7 @@ class PrefillReply(_message.Message):
     compute_seconds: float
     transfer_seconds: float
     transfer_tail_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transfer_tail_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., first_token_top_logprobs: _Optional[_Union[_common_pb2.TopLogprobs, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transfer_tail_seconds: _Optional[float] = ...) -> None: ...
 
 class DecodeGenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_address", "prefill_worker_id", "placement_token", "attempt", "resume_token_ids")
@@ -84,11 +86,12 @@ class DecodeGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., placement_token: _Optional[str] = ..., attempt: _Optional[int] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "text", "produced_unix_ns", "finish_reason", "stop_token_id", "stop_string", "error_message", "usage", "timing", "prefill_worker_id", "kv_transfer_bytes")
+    __slots__ = ("token_ids", "logprobs", "text", "produced_unix_ns", "top_logprobs", "finish_reason", "stop_token_id", "stop_string", "error_message", "usage", "timing", "prefill_worker_id", "kv_transfer_bytes")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     PRODUCED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +104,7 @@ class DecodeEvent(_message.Message):
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     text: str
     produced_unix_ns: int
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
     finish_reason: _common_pb2.FinishReason
     stop_token_id: int
     stop_string: str
@@ -109,4 +113,4 @@ class DecodeEvent(_message.Message):
     timing: _common_pb2.Timing
     prefill_worker_id: str
     kv_transfer_bytes: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., produced_unix_ns: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., error_message: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., prefill_worker_id: _Optional[str] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., produced_unix_ns: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., error_message: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., prefill_worker_id: _Optional[str] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...

@@ -6,6 +6,7 @@ from engine.errors import InvalidRequestError
 from engine.output_processor import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredKind, StructuredOutput
+from engine.top_logprobs import TopLogprobs
 from pdserve.v1 import common_pb2
 from transfer.handle import KVLayout, MemoryRegionHandle
 
@@ -39,6 +40,8 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         "frequency_penalty": p.frequency_penalty,
         "min_tokens": p.min_tokens,
         "logit_bias": dict(p.logit_bias),
+        "top_logprobs": p.top_logprobs,
+        "include_stop_str_in_output": p.include_stop_str_in_output,
     }
     if p.HasField("repetition_penalty"):
         kwargs["repetition_penalty"] = p.repetition_penalty
@@ -70,6 +73,8 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
         frequency_penalty=s.frequency_penalty,
         min_tokens=s.min_tokens,
         logit_bias=dict(s.logit_bias),
+        top_logprobs=s.top_logprobs,
+        include_stop_str_in_output=s.include_stop_str_in_output,
     )
     if s.repetition_penalty != 1.0:
         p.repetition_penalty = s.repetition_penalty
@@ -90,6 +95,19 @@ def structured_from_proto(p: common_pb2.StructuredOutput) -> StructuredOutput:
 
 def structured_to_proto(s: StructuredOutput) -> common_pb2.StructuredOutput:
     return common_pb2.StructuredOutput(kind=_STRUCTURED[s.kind], spec=s.spec)
+
+
+def top_logprobs_to_proto(t: TopLogprobs) -> common_pb2.TopLogprobs:
+    return common_pb2.TopLogprobs(token_ids=t.token_ids, logprobs=t.logprobs)
+
+
+def top_logprobs_from_proto(p: common_pb2.TopLogprobs) -> TopLogprobs:
+    """Raises InvalidRequestError when the two lists differ in length."""
+    if len(p.token_ids) != len(p.logprobs):
+        raise InvalidRequestError(
+            f"top_logprobs has {len(p.token_ids)} token ids and {len(p.logprobs)} logprobs"
+        )
+    return TopLogprobs(tuple(p.token_ids), tuple(p.logprobs))
 
 
 def layout_to_proto(lay: KVLayout) -> common_pb2.KVLayout:

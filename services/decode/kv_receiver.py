@@ -31,6 +31,7 @@ from engine.async_engine import AsyncEngine
 from engine.llm_engine import Reservation
 from engine.output_processor import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.top_logprobs import TopLogprobs
 from services.common import metrics
 from services.common.background import Background
 
@@ -53,6 +54,7 @@ class Prefilled:
     first_logprob: float
     num_cached_tokens: int  # the prompt tokens the request did not compute
     kv_bytes: int
+    first_top_logprobs: TopLogprobs | None = None  # when the request asks for them
 
 
 class PrefillFailed(Exception):
@@ -113,6 +115,7 @@ class KVReceiver:
             done.first_token_id,
             done.first_logprob,
             num_cached_tokens=done.num_cached_tokens,
+            first_top_logprobs=done.first_top_logprobs,
         )
         return stream, done
 

@@ -35,7 +35,14 @@ from kvstore.prefix import loaded_prefix
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common import cluster_auth, metrics
 from services.common.channel_pool import ChannelPool
-from services.common.convert import finish_to_proto, handle_to_proto, sampling_from_proto, usage
+from services.common.convert import (
+    finish_to_proto,
+    handle_to_proto,
+    sampling_from_proto,
+    top_logprobs_from_proto,
+    top_logprobs_to_proto,
+    usage,
+)
 from services.common.grpc_errors import FAILED_WORKER_KEY, abort_with, kv_fenced, status_for
 from services.common.kv_store import StoreLink
 from services.decode.kv_receiver import KVReceiver, Prefilled, PrefillFailed
@@ -204,6 +211,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 reply.first_token_logprob,
                 reply.num_cached_tokens,  # usage: what the request did not compute
                 reply.kv_transfer_bytes,
+                top_logprobs_from_proto(reply.first_token_top_logprobs)
+                if reply.HasField("first_token_top_logprobs")
+                else None,
             )
 
         try:
@@ -231,6 +241,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             logprobs=list(out.new_logprobs),
             text=out.text_delta,
             produced_unix_ns=time.time_ns(),
+            top_logprobs=[top_logprobs_to_proto(t) for t in out.new_top_logprobs],
         )
         if out.finished:
             ev.finish_reason = finish_to_proto(out.finish_reason)

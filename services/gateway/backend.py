@@ -20,6 +20,7 @@ from typing import Protocol
 
 from engine.errors import EngineError
 from engine.sampling_params import SamplingParams
+from engine.top_logprobs import TopLogprobs
 
 
 class BackendUnavailableError(EngineError):
@@ -68,6 +69,8 @@ class GenerateChunk:
     tokens left the engine's process (the decode worker's stamp, or when an in-process
     engine handed them over); wall clock, for measuring the serving path's delay.
     ``served_by``: set on the last chunk by backends that know it (``ServedBy()`` otherwise).
+    ``top_logprobs``: one per token when ``params.top_logprobs`` > 0 (each step's most
+    likely tokens), empty otherwise.
     """
 
     text_delta: str
@@ -79,6 +82,7 @@ class GenerateChunk:
     cached_tokens: int = 0
     produced_unix_ns: int = 0
     served_by: ServedBy = ServedBy()
+    top_logprobs: tuple[TopLogprobs, ...] = ()
 
 
 class Backend(Protocol):

@@ -38,7 +38,7 @@ from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from services.common import cluster_auth, keepalive
 from services.common.background import Background
 from services.common.channel_pool import ChannelPool
-from services.common.convert import finish_from_proto, sampling_to_proto
+from services.common.convert import finish_from_proto, sampling_to_proto, top_logprobs_from_proto
 from services.common.grpc_errors import FAILED_WORKER_KEY
 from services.common.reconnect import SCHEDULER_CHANNEL_OPTIONS
 from services.gateway.backend import (
@@ -133,6 +133,7 @@ def chunk_from_event(
             if last
             else ServedBy()
         ),
+        top_logprobs=tuple(top_logprobs_from_proto(t) for t in ev.top_logprobs),
     )
 
 

@@ -77,6 +77,7 @@ class EngineBackend:
                         completion_tokens=ev.num_output_tokens,
                         cached_tokens=ev.num_cached_tokens,
                         produced_unix_ns=time.time_ns(),
+                        top_logprobs=ev.new_top_logprobs,
                     )
         finally:
             self._active -= 1

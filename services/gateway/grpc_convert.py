@@ -11,7 +11,7 @@ from engine.grammar_text import check
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutput
 from pdserve.v1 import common_pb2, gateway_pb2
-from services.common.convert import structured_from_proto
+from services.common.convert import structured_from_proto, top_logprobs_to_proto
 from services.gateway.backend import GenerateChunk
 from services.gateway.served_model import ServedModel
 
@@ -52,6 +52,8 @@ def sampling_from_proto(sp: common_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=sp.ignore_eos,
         logprobs=sp.logprobs,
         structured=_structured(sp),
+        top_logprobs=sp.top_logprobs,
+        include_stop_str_in_output=sp.include_stop_str_in_output,
     )
 
 
@@ -108,6 +110,7 @@ def event(
     if with_token_ids:
         ev.token_ids.extend(chunk.token_ids)
         ev.logprobs.extend(chunk.logprobs)
+        ev.top_logprobs.extend(top_logprobs_to_proto(t) for t in chunk.top_logprobs)
     if chunk.finish_reason is not None:
         ev.finish_reason = FINISH_REASONS.get(
             chunk.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED

@@ -29,6 +29,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.errors import EngineError, ResourceExhaustedError
+from engine.top_logprobs import TopLogprobs
 from services.gateway import openai_responses as out
 from services.gateway import tools
 from services.gateway.admission import retry_after_header
@@ -41,6 +42,7 @@ from services.gateway.openai_api import (
     bad_request,
     check_prompt_size,
     decode_json_body,
+    echo_text,
     from_engine_error,
     lookup,
     parse_chat,
@@ -219,6 +221,7 @@ class _Result:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
 
 
@@ -254,6 +257,7 @@ async def _collect(stream: AsyncIterator[Choice], n: int, prompt_param: str) -> 
         parts[i].append(c.text_delta)
         r.token_ids.extend(c.token_ids)
         r.logprobs.extend(c.logprobs)
+        r.top_logprobs.extend(c.top_logprobs)
         r.finish_reason = c.finish_reason
         results.last[i] = c
     for r, p in zip(results.choices, parts, strict=True):
@@ -386,6 +390,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         inp = await service.prepare(prepare_completion, req, model, rid, service.limits)
         created = int(time.time())
         tok = model.tokenizer
+        echo = echo_text(req, model)
         stream = _generations(service, inp, req.n, received_at)
         async with aclosing(stream):  # type: ignore[type-var]
             if not req.stream:
@@ -393,9 +398,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 choices = [
                     out.completion_choice(
                         i,
-                        c.text,
+                        echo + c.text,
                         c.finish_reason,
-                        out.completion_logprobs(tok, c.token_ids, c.logprobs, 0)
+                        out.completion_logprobs(
+                            tok, c.token_ids, c.logprobs, len(echo), c.top_logprobs
+                        )
                         if inp.params.logprobs
                         else None,
                     )
@@ -404,15 +411,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 ext = out.extension(r.served_by)
                 return _json(out.completion(rid, created, model.name, choices, r.usage, ext))
             offsets = [0] * req.n
+            echoes = [echo] * req.n  # each choice's first frame leads with the echoed prompt
 
             def frames(i: int, c: GenerateChunk) -> list[dict[str, Any]]:
+                text, echoes[i] = echoes[i] + c.text_delta, ""
                 lp = None
                 if inp.params.logprobs:
-                    lp = out.completion_logprobs(tok, c.token_ids, c.logprobs, offsets[i])
-                offsets[i] += len(c.text_delta)
-                if not c.text_delta and c.finish_reason is None and lp is None:
+                    lp = out.completion_logprobs(
+                        tok, c.token_ids, c.logprobs, offsets[i] + len(text) - len(c.text_delta),
+                        c.top_logprobs,
+                    )  # fmt: skip
+                offsets[i] += len(text)
+                if not text and c.finish_reason is None and lp is None:
                     return []
-                choice = out.completion_choice(i, c.text_delta, c.finish_reason, lp)
+                choice = out.completion_choice(i, text, c.finish_reason, lp)
                 return [out.completion(rid, created, model.name, [choice])]
 
             relay = _Relay(request, stream, "prompt")
@@ -448,7 +460,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                     out.chat_choice(
                         i,
                         *_assistant_message(req.tools, c.text, c.finish_reason),
-                        out.chat_logprobs(tok, c.token_ids, c.logprobs)
+                        out.chat_logprobs(tok, c.token_ids, c.logprobs, c.top_logprobs)
                         if inp.params.logprobs
                         else None,
                     )
@@ -462,7 +474,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
             def frames(i: int, c: GenerateChunk) -> list[dict[str, Any]]:
                 lp = (
-                    out.chat_logprobs(tok, c.token_ids, c.logprobs) if inp.params.logprobs else None
+                    out.chat_logprobs(tok, c.token_ids, c.logprobs, c.top_logprobs)
+                    if inp.params.logprobs
+                    else None
                 )
                 finish = c.finish_reason
                 if spec is None:

@@ -7,19 +7,21 @@ an ``ApiError`` carrying the HTTP status and OpenAI's error object
 ``{"error": {"message", "type", "param", "code"}}``.
 
 Supported (OpenAI names, plus vLLM's ``top_k``, ``min_p``, ``stop_token_ids``,
-``ignore_eos``, ``repetition_penalty``, ``min_tokens``): ``model``, ``prompt`` (a string, a
-list of token ids, or a one-element list of either), ``messages`` (``content`` a string or a
-list of ``{"type": "text"}`` parts), ``max_tokens`` (chat: also ``max_completion_tokens``,
+``ignore_eos``, ``repetition_penalty``, ``min_tokens``, ``include_stop_str_in_output``):
+``model``, ``prompt`` (a string, a list of token ids, or a one-element list of either),
+``messages`` (``content`` a string or a list of ``{"type": "text"}`` parts; ``tool_calls``
+and ``tool_call_id`` in the history), ``max_tokens`` (chat: also ``max_completion_tokens``,
 which wins), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
 ``stream_options.include_usage``, ``presence_penalty``, ``frequency_penalty``,
 ``logit_bias`` (``engine.penalties``), ``logprobs`` (the sampled tokens' log-probabilities
-under the model's raw distribution; top alternatives are not computed, so completions'
-``logprobs`` > 0 and chat's ``top_logprobs`` > 0 are rejected), ``n`` (up to ``MAX_N``
-choices, ``services.gateway.choices``), ``tools`` / ``tool_choice`` /
-``parallel_tool_calls`` (``services.gateway.tools``). ``best_of`` must be 1; ``echo`` and
-``suffix`` are rejected. Structured outputs (``response_format``, vLLM's
-``structured_outputs`` and ``guided_*``): ``services.gateway.structured_api``.
-``user`` and fields we do not know are ignored.
+under the model's raw distribution; completions' ``logprobs`` N and chat's
+``top_logprobs`` N also return the N most likely tokens at each step), ``echo``
+(completions: the prompt's text before the completion), ``n`` (up to ``MAX_N`` choices,
+``services.gateway.choices``), ``tools`` / ``tool_choice`` / ``parallel_tool_calls``
+(``services.gateway.tools``), structured outputs (``response_format``, vLLM's
+``structured_outputs`` and ``guided_*``: ``services.gateway.structured_api``). Refused:
+``best_of`` other than 1, ``echo`` with ``logprobs`` (the prompt tokens' logprobs are not
+computed) and ``suffix``. ``user`` and fields we do not know are ignored.
 
 Defaults: ``max_tokens`` is 16 for completions (OpenAI's) and, for chat, the rest of the
 context capped at ``Limits.default_chat_max_tokens`` (1024 unless configured).
@@ -163,6 +165,7 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     n: int = 1
+    echo: bool = False  # the prompt's text goes before the completion's
 
 
 @dataclass(frozen=True)
@@ -354,7 +357,9 @@ def _stop_token_ids(body: _Body) -> tuple[int, ...]:
     return tuple(v)
 
 
-def _sampling(body: _Body, max_tokens: int | None, logprobs: bool) -> SamplingParams:
+def _sampling(
+    body: _Body, max_tokens: int | None, logprobs: bool, top_logprobs: int = 0
+) -> SamplingParams:
     """Build the request's ``SamplingParams`` (with a provisional ``max_tokens`` when absent);
     range errors name the field."""
     temperature = body.number("temperature")
@@ -391,6 +396,8 @@ def _sampling(body: _Body, max_tokens: int | None, logprobs: bool) -> SamplingPa
             logit_bias=_logit_bias(body),
             min_tokens=min_tokens or 0,
             structured=_structured(body),
+            top_logprobs=top_logprobs,
+            include_stop_str_in_output=body.flag("include_stop_str_in_output"),
         )
     except InvalidRequestError as exc:
         raise from_engine_error(exc) from None
@@ -471,33 +478,22 @@ def parse_completion(body: object, models: Collection[str]) -> CompletionRequest
     b = _Body(body)
     model = _model(b, models)
     prompt = _prompt(b)
-    if b.flag("echo"):
-        raise bad_request("'echo' is not supported.", "echo")
     suffix = b.string("suffix")
     if suffix:
         raise bad_request("'suffix' is not supported.", "suffix")
     n = _choices(b)
-    logprobs = b.integer("logprobs", minimum=0)
-    if logprobs is not None and logprobs > MAX_COMPLETION_LOGPROBS:
-        raise bad_request(
-            f"'logprobs' must be at most {MAX_COMPLETION_LOGPROBS}, got {logprobs}.", "logprobs"
-        )
-    if logprobs:
-        raise bad_request(
-            "'logprobs' > 0 (top alternatives per token) is not supported; use logprobs=0 to "
-            "get the sampled tokens' log-probabilities.",
-            "logprobs",
-        )
+    logprobs, echo = _completion_logprobs(b)
     stream, include_usage = _stream_options(b)
     max_tokens = _max_tokens(b, "max_tokens")
     return CompletionRequest(
         model=model,
         prompt=prompt,
-        params=_sampling(b, max_tokens, logprobs is not None),
+        params=_sampling(b, max_tokens, logprobs is not None, logprobs or 0),
         max_tokens=max_tokens,
         stream=stream,
         include_usage=include_usage,
         n=n,
+        echo=echo,
     )
 
 
@@ -578,17 +574,10 @@ def parse_chat(body: object, models: Collection[str]) -> ChatRequest:
     spec = _tool_field(
         tools.parse_tools, b.get("tools"), b.get("tool_choice"), b.get("parallel_tool_calls")
     )
-    logprobs = b.flag("logprobs")
-    top = b.integer("top_logprobs", minimum=0)
-    if top:
-        raise bad_request(
-            "'top_logprobs' > 0 is not supported; logprobs=true returns the sampled tokens' "
-            "log-probabilities.",
-            "top_logprobs",
-        )
+    logprobs, top = _chat_logprobs(b)
     stream, include_usage = _stream_options(b)
     max_tokens = _max_tokens(b, "max_completion_tokens", "max_tokens")
-    params = _sampling(b, max_tokens, logprobs)
+    params = _sampling(b, max_tokens, logprobs, top)
     constraint = spec.constraint() if spec is not None else None
     if constraint is not None:
         if params.structured is not None:
@@ -608,6 +597,43 @@ def parse_chat(body: object, models: Collection[str]) -> ChatRequest:
         n=n,
         tools=spec if spec is not None and spec.mode is not tools.Mode.NONE else None,
     )
+
+
+def _completion_logprobs(b: _Body) -> tuple[int | None, bool]:
+    """Completions' ``logprobs`` (None: not asked; N: the sampled tokens' and the N most
+    likely at each step) and ``echo``. ``echo`` with ``logprobs`` is refused: OpenAI then
+    returns the prompt tokens' logprobs too, and no worker computes logits for the prompt's
+    positions (prefill keeps only the last one's, and prefix-cached tokens are not computed
+    at all), so we would have to lie or leave them out."""
+    logprobs = b.integer("logprobs", minimum=0)
+    if logprobs is not None and logprobs > MAX_COMPLETION_LOGPROBS:
+        raise bad_request(
+            f"'logprobs' must be at most {MAX_COMPLETION_LOGPROBS}, got {logprobs}.", "logprobs"
+        )
+    echo = b.flag("echo")
+    if echo and logprobs is not None:
+        raise bad_request(
+            "'echo' together with 'logprobs' is not supported: the prompt tokens' "
+            "log-probabilities are not computed. Use either one alone.",
+            "echo",
+        )
+    return logprobs, echo
+
+
+def _chat_logprobs(b: _Body) -> tuple[bool, int]:
+    """Chat's ``logprobs`` and ``top_logprobs`` (0 to 20, only with ``logprobs``: OpenAI's
+    rule)."""
+    logprobs = b.flag("logprobs")
+    top = b.integer("top_logprobs", minimum=0) or 0
+    if top > MAX_TOP_LOGPROBS:
+        raise bad_request(
+            f"'top_logprobs' must be at most {MAX_TOP_LOGPROBS}, got {top}.", "top_logprobs"
+        )
+    if top and not logprobs:
+        raise bad_request(
+            "'top_logprobs' needs 'logprobs' to be true.", "top_logprobs", "invalid_value"
+        )
+    return logprobs, top
 
 
 # -- preparing -------------------------------------------------------------------------------
@@ -682,6 +708,16 @@ def prepare_chat(
         max_tokens = max(1, min(limits.default_chat_max_tokens, model.max_model_len - len(ids)))
     params = _with_max_tokens(req.params, max_tokens)
     return _finish(request_id, model, ids, params, "messages")
+
+
+def echo_text(req: CompletionRequest, model: ServedModel) -> str:
+    """What ``echo`` returns before the completion: the prompt as sent, a token prompt's
+    text decoded; "" without ``echo``."""
+    if not req.echo:
+        return ""
+    if isinstance(req.prompt, str):
+        return req.prompt
+    return model.tokenizer.decode(req.prompt)
 
 
 def lookup(models: Mapping[str, ServedModel], name: str) -> ServedModel:

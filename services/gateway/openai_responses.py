@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.tokenizer import Tokenizer
+from engine.top_logprobs import TopLogprobs
 from services.gateway.backend import ServedBy
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -60,38 +61,71 @@ def _clamp(lp: float) -> float:
 
 
 def completion_logprobs(
-    tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[float], text_offset: int
+    tokenizer: Tokenizer,
+    token_ids: Sequence[int],
+    logprobs: Sequence[float],
+    text_offset: int,
+    top: Sequence[TopLogprobs] = (),
 ) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object for these tokens; offsets start at
-    ``text_offset`` (the length of the text returned before them)."""
+    ``text_offset`` (the length of the text returned before them). ``top``: each token's
+    step's most likely tokens (``logprobs`` N > 0), given as ``top_logprobs``, one
+    ``{token text: logprob}`` per token holding those and the sampled token (as OpenAI and
+    vLLM do, so up to N + 1 entries); without them ``top_logprobs`` is null."""
     tokens = [_token_text(tokenizer, t) for t in token_ids]
     offsets = []
     for tok in tokens:
         offsets.append(text_offset)
         text_offset += len(tok)
+    tops = None
+    if top:
+        tops = []
+        for t, lp, step in zip(token_ids, logprobs, top, strict=True):
+            alternatives = {
+                _token_text(tokenizer, a): _clamp(alp)
+                for a, alp in zip(step.token_ids, step.logprobs, strict=True)
+            }
+            alternatives.setdefault(_token_text(tokenizer, t), _clamp(lp))
+            tops.append(alternatives)
     return {
         "tokens": tokens,
         "token_logprobs": [_clamp(lp) for lp in logprobs],
-        "top_logprobs": None,
+        "top_logprobs": tops,
         "text_offset": offsets,
     }
 
 
+def _chat_token(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+    raw = tokenizer.token_bytes(token_id)
+    return {
+        "token": raw.decode("utf-8", errors="replace"),
+        "logprob": _clamp(logprob),
+        "bytes": list(raw),
+    }
+
+
 def chat_logprobs(
-    tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[float]
+    tokenizer: Tokenizer,
+    token_ids: Sequence[int],
+    logprobs: Sequence[float],
+    top: Sequence[TopLogprobs] = (),
 ) -> dict[str, Any]:
-    """The chat ``logprobs`` object: one entry per token, no top alternatives."""
+    """The chat ``logprobs`` object: one entry per token; ``top`` (``top_logprobs`` > 0):
+    each token's step's most likely tokens, most likely first, as its ``top_logprobs``
+    (empty lists without them)."""
+    steps: Sequence[TopLogprobs | None] = top or [None] * len(token_ids)
     content = []
-    for t, lp in zip(token_ids, logprobs, strict=True):
-        raw = tokenizer.token_bytes(t)
-        content.append(
-            {
-                "token": raw.decode("utf-8", errors="replace"),
-                "logprob": _clamp(lp),
-                "bytes": list(raw),
-                "top_logprobs": [],
-            }
+    for t, lp, step in zip(token_ids, logprobs, steps, strict=True):
+        entry = _chat_token(tokenizer, t, lp)
+        entry["top_logprobs"] = (
+            []
+            if step is None
+            else [
+                _chat_token(tokenizer, a, alp)
+                for a, alp in zip(step.token_ids, step.logprobs, strict=True)
+            ]
         )
+        content.append(entry)
     return {"content": content}
 
 

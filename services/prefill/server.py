@@ -35,7 +35,11 @@ from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common import metrics
-from services.common.convert import handle_from_proto, sampling_from_proto
+from services.common.convert import (
+    handle_from_proto,
+    sampling_from_proto,
+    top_logprobs_to_proto,
+)
 from services.common.grpc_errors import KV_FENCED, abort_with
 from services.common.kv_store import StoreLink
 from services.common.placement_token import PlacementTokenError, VerifyKeys, verify_write
@@ -149,7 +153,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             compute_s=round(sent.compute_seconds, 4),
             transfer_tail_s=round(sent.tail_seconds, 4),
         )
-        return worker_pb2.PrefillReply(
+        reply = worker_pb2.PrefillReply(
             request_id=rid,
             first_token_id=out.token_id,
             first_token_logprob=out.logprob,
@@ -161,6 +165,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             transfer_seconds=result.seconds,
             transfer_tail_seconds=sent.tail_seconds,
         )
+        if out.top_logprobs is not None:
+            reply.first_token_top_logprobs.CopyFrom(top_logprobs_to_proto(out.top_logprobs))
+        return reply
 
     async def _fail(
         self, context: grpc.aio.ServicerContext, e: BaseException, *, fenced: bool

@@ -75,7 +75,8 @@ def test_bad_values_are_refused_by_name() -> None:
 def test_the_proto_carries_every_field() -> None:
     p = SamplingParams(
         max_tokens=9, presence_penalty=0.5, frequency_penalty=-1.25, repetition_penalty=1.5,
-        logit_bias={3: 2.5, 9: -100}, min_tokens=2, seed=4,
+        logit_bias={3: 2.5, 9: -100}, min_tokens=2, seed=4, logprobs=True, top_logprobs=5,
+        include_stop_str_in_output=True, stop=("\n",),
     )  # fmt: skip
     assert sampling_from_proto(sampling_to_proto(p)) == p
     assert sampling_from_proto(sampling_to_proto(SamplingParams())) == SamplingParams()

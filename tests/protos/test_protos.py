@@ -298,7 +298,10 @@ _SAMPLING = common_pb2.SamplingParams(
     structured=common_pb2.StructuredOutput(
         kind=common_pb2.STRUCTURED_KIND_JSON_SCHEMA, spec='{"type": "object"}'
     ),
+    include_stop_str_in_output=True,
+    top_logprobs=20,
 )
+_TOP = common_pb2.TopLogprobs(token_ids=[1917, 2, 49151], logprobs=[-0.125, -2.5, -7.75])
 _USAGE = common_pb2.Usage(prompt_tokens=1000, completion_tokens=37, cached_tokens=512)
 _TIMING = common_pb2.Timing(
     queue_seconds=0.001,
@@ -334,6 +337,7 @@ SAMPLES: dict[str, Message] = {
     for m in [
         _SAMPLING,
         _SAMPLING.structured,
+        _TOP,
         _USAGE,
         _TIMING,
         common_pb2.ChatMessage(role="user", content="héllo ✓"),
@@ -363,6 +367,7 @@ SAMPLES: dict[str, Message] = {
             token_ids=[1917, 2],
             logprobs=[-0.125, -3.5],
             produced_unix_ns=1_790_000_000_123_456_789,
+            top_logprobs=[_TOP, common_pb2.TopLogprobs(token_ids=[2], logprobs=[-3.5])],
             finish_reason=common_pb2.FINISH_REASON_STOP,
             stop_string="###",
             usage=_USAGE,
@@ -454,6 +459,7 @@ SAMPLES: dict[str, Message] = {
             request_id="req-1",
             first_token_id=42,
             first_token_logprob=-0.25,
+            first_token_top_logprobs=_TOP,
             num_cached_tokens=512,
             num_computed_tokens=488,
             kv_transfer_bytes=2**33,
@@ -477,6 +483,7 @@ SAMPLES: dict[str, Message] = {
             logprobs=[-1.0],
             text="!",
             produced_unix_ns=1_790_000_000_987_654_321,
+            top_logprobs=[_TOP],
             finish_reason=common_pb2.FINISH_REASON_STOP,
             stop_token_id=49151,
             usage=_USAGE,

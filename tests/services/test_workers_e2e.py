@@ -149,6 +149,37 @@ async def test_penalties_bias_and_min_tokens_cross_the_workers(
     assert want != [r.token_ids for r in make_engine().generate(prompts[:2], plain)]
 
 
+async def _events(address: str, req) -> list[worker_pb2.DecodeEvent]:
+    async with cluster_auth.channel(address) as ch:
+        return [ev async for ev in worker_pb2_grpc.DecodeWorkerStub(ch).Generate(req, timeout=120)]
+
+
+async def test_top_logprobs_and_a_kept_stop_string_cross_the_workers(
+    cluster, prompts, make_engine
+) -> None:
+    """The first token's alternatives come from the prefill worker, the rest from the decode
+    worker: the colocated engine's (the workers' quantized weights and float16 KV round the
+    last digits differently), and the stop string stays in the text as asked."""
+    procs, _ = cluster
+    colocated = make_engine()
+    want = colocated.generate(prompts[:1], SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True,
+        top_logprobs=5))[0]  # fmt: skip
+    stop = colocated.tokenizer.decode(want.token_ids[3:5])
+    events = await _events(procs["shm"].address, _request(
+        "top-5", prompts[0], procs["prefill"].address, logprobs=True, top_logprobs=5,
+        stop=[stop], include_stop_str_in_output=True))  # fmt: skip
+    tops = [t for ev in events for t in ev.top_logprobs]
+    tokens = [t for ev in events for t in ev.token_ids]
+    assert tokens == want.token_ids[: len(tokens)] and len(tops) == len(tokens) == 5
+    for got, exp in zip(tops, want.top_logprobs, strict=False):
+        assert list(got.token_ids)[:3] == list(exp.token_ids)[:3]  # no near-ties up there
+        assert list(got.logprobs) == pytest.approx(exp.logprobs, abs=2e-3)
+        assert set(got.token_ids) == set(exp.token_ids)
+    text = "".join(ev.text for ev in events)
+    assert text.endswith(stop) and text == want.text[: want.text.find(stop) + len(stop)]
+
+
 @pytest.mark.parametrize("transport", ["shm", "tcp", "mooncake"])
 async def test_disaggregated_equals_colocated(cluster, prompts, expected, transport) -> None:
     procs, ports = cluster

@@ -5,6 +5,7 @@ last chunk only."""
 from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
+from engine.top_logprobs import TopLogprobs
 from pdserve.v1 import common_pb2, worker_pb2
 from services.gateway.backend import GenerateInput, ServedBy
 from services.gateway.cluster_backend import chunk_from_event
@@ -34,3 +35,22 @@ def test_the_last_event_says_who_served_the_request_and_what_moved() -> None:
 def test_a_local_prefill_names_only_the_decode_worker() -> None:
     last = worker_pb2.DecodeEvent(token_ids=[9], finish_reason=common_pb2.FINISH_REASON_STOP)
     assert chunk_from_event(last, REQ, 1, "decode-0").served_by == ServedBy("", "decode-0", 0)
+
+
+def test_each_tokens_alternatives_reach_the_chunk() -> None:
+    req = GenerateInput("r2", (1, 2), SamplingParams(logprobs=True, top_logprobs=2), "m")
+    ev = worker_pb2.DecodeEvent(
+        token_ids=[7, 8],
+        logprobs=[-0.5, -0.25],
+        top_logprobs=[
+            common_pb2.TopLogprobs(token_ids=[7, 3], logprobs=[-0.5, -1.5]),
+            common_pb2.TopLogprobs(token_ids=[8, 7], logprobs=[-0.25, -2.0]),
+        ],
+    )
+    chunk = chunk_from_event(ev, req, 2, "decode-1")
+    assert chunk.logprobs == (-0.5, -0.25)
+    assert chunk.top_logprobs == (
+        TopLogprobs((7, 3), (-0.5, -1.5)),
+        TopLogprobs((8, 7), (-0.25, -2.0)),
+    )
+    assert chunk_from_event(worker_pb2.DecodeEvent(token_ids=[9]), REQ, 1, "d").top_logprobs == ()

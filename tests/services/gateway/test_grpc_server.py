@@ -71,6 +71,27 @@ async def test_generate_stream_equals_engine(gw, stub, default_tokenizer) -> Non
     assert all(not ev.HasField("usage") for ev in events[:-1])
 
 
+async def test_top_logprobs_and_a_kept_stop_string(gw, stub, default_tokenizer) -> None:
+    prompt = "The three primary colors are"
+    ids = default_tokenizer.encode(prompt)
+    _, ref_text = await gw.reference(ids, SamplingParams(max_tokens=10, temperature=0))
+    stop = ref_text[4:7]
+    sampling = _greedy(10, logprobs=True, top_logprobs=3, stop=[stop],
+                       include_stop_str_in_output=True)  # fmt: skip
+    events = await _events(stub, gateway_pb2.GenerateRequest(prompt=prompt, sampling=sampling))
+    assert "".join(ev.text for ev in events) == ref_text[: ref_text.find(stop) + len(stop)]
+    for ev in events:
+        assert len(ev.top_logprobs) == len(ev.token_ids) == len(ev.logprobs)
+        for tok, lp, top in zip(ev.token_ids, ev.logprobs, ev.top_logprobs, strict=True):
+            assert len(top.token_ids) == len(top.logprobs) == 3
+            assert (top.token_ids[0], top.logprobs[0]) == (tok, lp)  # greedy: the most likely
+    bad = _greedy(4, top_logprobs=3)  # without logprobs
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await _events(stub, gateway_pb2.GenerateRequest(prompt=prompt, sampling=bad))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "top_logprobs" in (e.value.details() or "")
+
+
 async def test_chat_and_token_id_inputs(gw, stub, default_tokenizer) -> None:
     chat = common_pb2.ChatMessages(
         messages=[common_pb2.ChatMessage(role="user", content="Name a fruit.")]

@@ -20,6 +20,7 @@ import jsonschema
 import openai
 import pytest
 import pytest_asyncio
+import torch
 from openai import AsyncOpenAI
 
 from engine.sampling_params import SamplingParams
@@ -309,6 +310,120 @@ async def test_non_streaming_chat_with_logprobs(gw, http, default_tokenizer) -> 
     async for ev in gw.backend.engine.generate("ref-lp", ids, params):
         toks.extend(ev.new_logprobs)
     assert [c["logprob"] for c in content] == pytest.approx(toks, abs=1e-4)
+
+
+async def _post(http, gw, path: str, body: dict) -> tuple[int, dict]:
+    async with http.post(gw.base_url + path, json={"model": MODEL, **body}) as r:
+        return r.status, await r.json()
+
+
+async def _stream(http, gw, path: str, body: dict) -> list[dict]:
+    async with http.post(gw.base_url + path, json={"model": MODEL, "stream": True, **body}) as r:
+        assert r.status == 200
+        events = _sse_events(await r.read())
+    return [json.loads(e) for e in events[:-1]]
+
+
+async def test_chat_top_logprobs_are_the_engines_distribution(gw, http, default_tokenizer):
+    """Five alternatives per token, OpenAI's shape; the first token's are the log_softmax
+    of the engine's logits for the prompt."""
+    messages = [{"role": "user", "content": "Name a colour."}]
+    body = {"messages": messages, "max_tokens": 4, "logprobs": True, "top_logprobs": 5,
+            "ignore_eos": True, **GREEDY}  # fmt: skip
+    status, obj = await _post(http, gw, "/v1/chat/completions", body)
+    assert status == 200, obj
+    content = obj["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4
+    for entry in content:
+        top = entry["top_logprobs"]
+        assert len(top) == 5 and set(top[0]) == {"token", "logprob", "bytes"}
+        assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+        assert (top[0]["token"], top[0]["logprob"]) == (entry["token"], entry["logprob"])  # greedy
+        assert all(bytes(t["bytes"]).decode("utf-8", "replace") == t["token"] for t in top)
+    tok = default_tokenizer
+    ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    engine = gw.backend.engine
+    logits = await engine.call(lambda: engine.engine.prompt_logits(ids))
+    want = torch.topk(torch.log_softmax(logits.double(), -1), 5)
+    first = content[0]["top_logprobs"]
+    assert [t["logprob"] for t in first] == pytest.approx(want.values.tolist(), abs=1e-4)
+    assert [t["token"] for t in first] == [tok.decode([i]) for i in want.indices.tolist()]
+    # streamed: the same alternatives, chunk by chunk
+    chunks = await _stream(http, gw, "/v1/chat/completions", body)
+    streamed = [e for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                for e in c["choices"][0]["logprobs"]["content"]]  # fmt: skip
+    assert streamed == content
+
+
+async def test_completion_logprobs_n_gives_alternatives_per_token(gw, http) -> None:
+    body = {"prompt": "1, 2, 3,", "max_tokens": 5, "logprobs": 3, "ignore_eos": True,
+            "temperature": 1.0, "seed": 11}  # fmt: skip
+    status, obj = await _post(http, gw, "/v1/completions", body)
+    assert status == 200, obj
+    lp = obj["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["top_logprobs"]) == 5
+    for token, token_lp, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"],
+                                    strict=True):  # fmt: skip
+        assert len(top) in (3, 4) and top[token] == token_lp  # the sampled token is listed
+        assert token_lp <= max(top.values())
+    assert lp["text_offset"][0] == 0
+    chunks = await _stream(http, gw, "/v1/completions", body)
+    tops = [t for c in chunks if c["choices"][0]["logprobs"]
+            for t in c["choices"][0]["logprobs"]["top_logprobs"]]  # fmt: skip
+    assert tops == lp["top_logprobs"]  # seeded: the same tokens, the same alternatives
+
+
+async def test_echo_returns_the_prompt_before_the_completion(gw, http, default_tokenizer):
+    prompt = "The capital of France is"
+    body = {"prompt": prompt, "max_tokens": 6, **GREEDY}
+    _, plain = await _post(http, gw, "/v1/completions", body)
+    completion = plain["choices"][0]["text"]
+    status, echoed = await _post(http, gw, "/v1/completions", {**body, "echo": True})
+    assert status == 200 and echoed["choices"][0]["text"] == prompt + completion
+    assert echoed["usage"] == plain["usage"]
+    chunks = await _stream(http, gw, "/v1/completions", {**body, "echo": True})
+    assert chunks[0]["choices"][0]["text"].startswith(prompt)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == prompt + completion
+    ids = default_tokenizer.encode(prompt)
+    _, by_ids = await _post(http, gw, "/v1/completions", {**body, "prompt": ids, "echo": True})
+    assert by_ids["choices"][0]["text"] == default_tokenizer.decode(ids) + completion
+
+
+async def test_include_stop_str_in_output_keeps_the_stop_string(gw, http) -> None:
+    body = {"prompt": "Count: one, two, three, four, five,", "max_tokens": 12,
+            "ignore_eos": True, **GREEDY}  # fmt: skip
+    _, plain = await _post(http, gw, "/v1/completions", body)
+    text = plain["choices"][0]["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip(), text
+    at = text.find(stop)
+    _, cut = await _post(http, gw, "/v1/completions", {**body, "stop": [stop]})
+    assert cut["choices"][0]["text"] == text[:at]
+    kept_body = {**body, "stop": [stop], "include_stop_str_in_output": True}
+    _, kept = await _post(http, gw, "/v1/completions", kept_body)
+    assert kept["choices"][0]["text"] == text[: at + len(stop)]
+    assert kept["choices"][0]["finish_reason"] == cut["choices"][0]["finish_reason"] == "stop"
+    chunks = await _stream(http, gw, "/v1/completions", kept_body)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text[: at + len(stop)]
+
+
+_CHAT_X = {"messages": [{"role": "user", "content": "x"}]}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 6}, "logprobs"),
+        ("/v1/chat/completions", {**_CHAT_X, "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {**_CHAT_X, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ],
+)
+async def test_refused_logprob_requests_are_400s_naming_the_parameter(
+    gw, http, path, body, param
+) -> None:
+    status, obj = await _post(http, gw, path, body)
+    assert status == 400 and obj["error"]["param"] == param, obj
 
 
 async def test_health_and_metrics(gw, http) -> None:

@@ -147,10 +147,11 @@ def test_model_missing_mistyped_unknown(parse) -> None:
         ({"n": 17}, "n", "at most 16"),
         ({"n": "2"}, "n", "expected an integer"),
         ({"best_of": 3}, "best_of", "use n"),
-        ({"echo": True}, "echo", "'echo' is not supported"),
+        ({"echo": True, "logprobs": 0}, "echo", "prompt tokens' log-probabilities"),
+        ({"echo": 1}, "echo", "expected a boolean"),
         ({"suffix": "end"}, "suffix", "'suffix' is not supported"),
-        ({"logprobs": 2}, "logprobs", "use logprobs=0"),
         ({"logprobs": 9}, "logprobs", "at most 5"),
+        ({"include_stop_str_in_output": "y"}, "include_stop_str_in_output", "a boolean"),
         ({"logprobs": True}, "logprobs", "expected an integer"),
         ({"presence_penalty": 2.5}, "presence_penalty", "in [-2, 2]"),
         ({"frequency_penalty": "x"}, "frequency_penalty", "expected a number"),
@@ -206,6 +207,18 @@ def test_completion_accepts_the_openai_shapes() -> None:
     assert plain.params.temperature == 1.0
 
 
+def test_alternatives_echo_and_kept_stop_strings_reach_the_request() -> None:
+    r = parse_completion(_cmpl(logprobs=3, include_stop_str_in_output=True, stop="."), MODELS)
+    assert (r.params.logprobs, r.params.top_logprobs, r.echo) == (True, 3, False)
+    assert r.params.include_stop_str_in_output
+    echoed = parse_completion(_cmpl(echo=True), MODELS)
+    assert echoed.echo and not echoed.params.logprobs
+    assert parse_completion(_cmpl(logprobs=0), MODELS).params.top_logprobs == 0
+    chat = parse_chat(_chat(logprobs=True, top_logprobs=20), MODELS).params
+    assert (chat.logprobs, chat.top_logprobs, chat.include_stop_str_in_output) == (True, 20, False)
+    assert parse_chat(_chat(logprobs=False, top_logprobs=0), MODELS).params.top_logprobs == 0
+
+
 def test_penalties_bias_and_min_tokens_reach_the_sampling_params() -> None:
     r = parse_completion(
         _cmpl(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.3,
@@ -246,7 +259,9 @@ def test_penalties_bias_and_min_tokens_reach_the_sampling_params() -> None:
         ({"max_completion_tokens": "5"}, "max_completion_tokens", "expected an integer"),
         ({"max_tokens": -3}, "max_tokens", "minimum of 1"),
         ({"logprobs": 1}, "logprobs", "expected a boolean"),
-        ({"top_logprobs": 3}, "top_logprobs", "not supported"),
+        ({"top_logprobs": 3}, "top_logprobs", "needs 'logprobs' to be true"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "at most 20"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", "minimum of 0"),
         ({"tools": [{"type": "function"}]}, "tools[0].function", "must be an object"),
         ({"response_format": {"type": "json_xml"}}, "response_format.type", "not supported"),
         ({"n": 17}, "n", "at most 16"),
