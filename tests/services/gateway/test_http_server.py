@@ -23,6 +23,7 @@ import pytest_asyncio
 import torch
 from openai import AsyncOpenAI
 
+from bench.openai_features import WEATHER_TOOL
 from engine.sampling_params import SamplingParams
 from services.gateway.backend import GenerateChunk, GenerateInput, ServedBy
 from services.gateway.engine_backend import EngineBackend
@@ -157,22 +158,7 @@ async def test_n_choices_are_the_seeded_requests_of_seed_plus_index(gw, client) 
     assert await gw.wait_blocks_free()
 
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 20},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
+WEATHER = WEATHER_TOOL  # the acceptance bench's tool: a city and a unit
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
