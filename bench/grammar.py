@@ -9,6 +9,11 @@ sampler's and is left out). A matcher whose grammar completes starts over. Repor
 library, per schema and B: the median and p90 step time, and the compile time (cold: a
 fresh compiler per schema).
 
+``--itl`` measures what the mask costs the streams beside constrained ones: a colocated
+engine decodes ``--itl-batch`` unconstrained streams beside as many more, unconstrained
+(A) or held by a long JSON schema (B), taking turns A, B, A, B, ...; reported per turn: the
+median decode step time (every stream's inter-token latency in that batch).
+
 The engine uses llguidance (``engine.grammar``): the figures and the reason are in
 docs/benchmarks.md, "Structured outputs: the grammar mask".
 """
@@ -229,6 +234,37 @@ def measure(
     return figures
 
 
+# Keeps a stream constrained for at least 128 tokens: 64 integers.
+_LONG = {"type": "array", "items": {"type": "integer"}, "minItems": 64}
+
+
+def itl_turns(batch: int, steps: int, turns: int) -> list[tuple[str, float]]:
+    """(``"plain"`` or ``"beside constrained"``, median step seconds) per turn."""
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.sampling_params import SamplingParams
+    from engine.structured import StructuredKind, StructuredOutput
+
+    engine = LLMEngine(EngineConfig(num_kv_blocks=1024, max_num_seqs=2 * batch))
+    tok = engine.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Count."}]))
+    plain = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    held = StructuredOutput(StructuredKind.JSON_SCHEMA, json.dumps(_LONG))
+    out = []
+    for turn in range(2 * turns):
+        constrained = turn % 2 == 1
+        other = SamplingParams(max_tokens=steps + 1, temperature=0, structured=held)
+        for i in range(2 * batch):
+            engine.add_request(prompt, other if constrained and i % 2 else plain)
+        engine.step()  # the prefills
+        times = []
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        out.append(("beside constrained" if constrained else "plain", median(times)))
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
@@ -237,9 +273,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--library", choices=["xgrammar", "llguidance"], nargs="+",
                     default=["xgrammar", "llguidance"])  # fmt: skip
     ap.add_argument("--json", default=None, help="write the figures and the machine here")
+    ap.add_argument("--itl", action="store_true", help="the ITL of streams beside constrained")
+    ap.add_argument("--itl-batch", type=int, default=8)
+    ap.add_argument("--itl-turns", type=int, default=3)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.itl:
+        turns = itl_turns(args.itl_batch, args.steps, args.itl_turns)
+        rows = [[str(i), kind, f"{s * 1e3:.1f}"] for i, (kind, s) in enumerate(turns)]
+        print(markdown_table(["turn", "the other streams", "median step ms"], rows))
+        return 0
     makers = {"xgrammar": XGrammar, "llguidance": LLGuidance}
     figures = measure([makers[n] for n in args.library], args.batch, args.steps)
     rows = [
