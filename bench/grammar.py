@@ -9,6 +9,11 @@ sampler's and is left out). A matcher whose grammar completes starts over. Repor
 library, per schema and B: the median and p90 step time, and the compile time (cold: a
 fresh compiler per schema).
 
+``--itl`` measures what the mask costs the streams beside constrained ones: a colocated
+engine decodes ``--itl-batch`` unconstrained streams beside as many more, unconstrained
+(A) or held by a long JSON schema (B), taking turns A, B, A, B, ...; reported per turn: the
+median decode step time (every stream's inter-token latency in that batch).
+
 The engine uses llguidance (``engine.grammar``): the figures and the reason are in
 docs/benchmarks.md, "Structured outputs: the grammar mask".
 """
@@ -182,28 +187,34 @@ class Figure:
     batch: int
     step_ms_median: float
     step_ms_p90: float
+    apply_ms_median: float  # of the step: the -inf fill over [B, vocab] (shared code)
     compile_ms: float
 
 
-def _walk(backend: Backend, compiled: Any, batch: int, vocab: int, steps: int) -> list[float]:
-    """Per-step seconds of mask + apply + advance over ``steps`` steps of ``batch`` rows."""
+def _walk(
+    backend: Backend, compiled: Any, batch: int, vocab: int, steps: int
+) -> tuple[list[float], list[float]]:
+    """Per-step seconds of mask + apply + advance over ``steps`` steps of ``batch`` rows,
+    and of the apply alone."""
     gen = torch.Generator().manual_seed(0)
     matchers = [backend.matcher(compiled) for _ in range(batch)]
     bitmask = torch.zeros((batch, (vocab + 31) // 32), dtype=torch.int32)
-    times = []
+    times, applies = [], []
     for _ in range(steps):
         logits = torch.randn(batch, vocab, generator=gen)
         t0 = time.perf_counter()
         backend.fill(matchers, bitmask)
+        ta = time.perf_counter()
         apply_bitmask(logits, bitmask)
         t1 = time.perf_counter()
+        applies.append(t1 - ta)
         tokens = torch.argmax(logits, dim=-1).tolist()
         t2 = time.perf_counter()
         for m, t in zip(matchers, tokens, strict=True):
             backend.accept(m, t)
         times.append(time.perf_counter() - t2 + t1 - t0)
         matchers = [backend.matcher(compiled) if backend.done(m) else m for m in matchers]
-    return times
+    return times, applies
 
 
 def measure(
@@ -221,12 +232,45 @@ def measure(
             compiled = backend.compile(schema)
             compile_ms = (time.perf_counter() - t0) * 1e3
             for batch in batches:
-                times = _walk(backend, compiled, batch, vocab, steps)
+                times, applies = _walk(backend, compiled, batch, vocab, steps)
                 ms = [t * 1e3 for t in times[2:]]  # the first steps warm caches
+                apply_ms = median([t * 1e3 for t in applies[2:]])
                 figures.append(
-                    Figure(backend.name, name, batch, median(ms), percentile(ms, 90), compile_ms)
-                )
+                    Figure(backend.name, name, batch, median(ms), percentile(ms, 90), apply_ms,
+                           compile_ms)
+                )  # fmt: skip
     return figures
+
+
+# Keeps a stream constrained for at least 128 tokens: 64 integers.
+_LONG = {"type": "array", "items": {"type": "integer"}, "minItems": 64}
+
+
+def itl_turns(batch: int, steps: int, turns: int) -> list[tuple[str, float]]:
+    """(``"plain"`` or ``"beside constrained"``, median step seconds) per turn."""
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.sampling_params import SamplingParams
+    from engine.structured import StructuredKind, StructuredOutput
+
+    engine = LLMEngine(EngineConfig(num_kv_blocks=1024, max_num_seqs=2 * batch))
+    tok = engine.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Count."}]))
+    plain = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    held = StructuredOutput(StructuredKind.JSON_SCHEMA, json.dumps(_LONG))
+    out = []
+    for turn in range(2 * turns):
+        constrained = turn % 2 == 1
+        other = SamplingParams(max_tokens=steps + 1, temperature=0, structured=held)
+        for i in range(2 * batch):
+            engine.add_request(prompt, other if constrained and i % 2 else plain)
+        engine.step()  # the prefills
+        times = []
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        out.append(("beside constrained" if constrained else "plain", median(times)))
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -237,17 +281,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--library", choices=["xgrammar", "llguidance"], nargs="+",
                     default=["xgrammar", "llguidance"])  # fmt: skip
     ap.add_argument("--json", default=None, help="write the figures and the machine here")
+    ap.add_argument("--itl", action="store_true", help="the ITL of streams beside constrained")
+    ap.add_argument("--itl-batch", type=int, default=8)
+    ap.add_argument("--itl-turns", type=int, default=3)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.itl:
+        turns = itl_turns(args.itl_batch, args.steps, args.itl_turns)
+        rows = [[str(i), kind, f"{s * 1e3:.1f}"] for i, (kind, s) in enumerate(turns)]
+        print(markdown_table(["turn", "the other streams", "median step ms"], rows))
+        return 0
     makers = {"xgrammar": XGrammar, "llguidance": LLGuidance}
     figures = measure([makers[n] for n in args.library], args.batch, args.steps)
     rows = [
         [f.library, f.schema, str(f.batch), f"{f.step_ms_median:.3f}", f"{f.step_ms_p90:.3f}",
-         f"{f.compile_ms:.1f}"]
+         f"{f.apply_ms_median:.3f}", f"{f.compile_ms:.1f}"]
         for f in figures
     ]  # fmt: skip
-    header = ["library", "schema", "B", "step ms (median)", "step ms (p90)", "compile ms"]
+    header = ["library", "schema", "B", "step ms (median)", "step ms (p90)", "of which apply ms",
+              "compile ms"]  # fmt: skip
     print(markdown_table(header, rows))
     if args.json:
         write_json(args.json, {"machine": machine_info(), "figures": [asdict(f) for f in figures]})

@@ -1,9 +1,10 @@
 """What a request's output must look like: a structured-output constraint, as asked.
 
 ``StructuredOutput`` is the request's wish, validated for shape only (which kind, a string
-spec, a bounded size). Compiling it into a grammar and masking the logits with it is
-``engine.grammar``'s job; this module has no dependency on a grammar library so the
-gateway and the protos can carry the wish without loading one.
+spec, a bounded size). Compiling and checking it is ``engine.grammar_text``'s job (the
+gateway's parse step calls it), masking the logits with it ``engine.grammar``'s; this
+module has no dependency on a grammar library so the protos can carry the wish without
+loading one.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import socket
 from collections.abc import Iterator
@@ -21,9 +22,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.kv_cache import KVCacheSpec
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredKind, StructuredOutput
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common import cluster_auth
-from services.common.convert import handle_to_proto
+from services.common.convert import handle_to_proto, structured_to_proto
 from services.common.grpc_errors import kv_fenced
 from tests.scrape import metric
 from tests.services.procs import ServiceProcess, start_unscheduled
@@ -178,6 +180,34 @@ async def test_top_logprobs_and_a_kept_stop_string_cross_the_workers(
         assert set(got.token_ids) == set(exp.token_ids)
     text = "".join(ev.text for ev in events)
     assert text.endswith(stop) and text == want.text[: want.text.find(stop) + len(stop)]
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 5}],
+                         ids=["greedy", "seeded"])  # fmt: skip
+async def test_a_structured_output_crosses_the_workers(
+    cluster, prompts, make_engine, sampling
+) -> None:
+    """The prefill worker masks the first token with the request's grammar; the decode
+    worker replays that token into its own matcher and masks the rest: the colocated
+    engine's tokens, ended by the grammar."""
+    procs, _ = cluster
+    schema = {"type": "object", "properties": {"answer": {"enum": ["Paris", "Rome", "yes"]}},
+              "required": ["answer"], "additionalProperties": False}  # fmt: skip
+    so = StructuredOutput(StructuredKind.JSON_SCHEMA, json.dumps(schema))
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, structured=so, **sampling)
+    want = make_engine().generate(prompts[:2], params)
+    got = await asyncio.gather(
+        *(
+            _generate(procs["shm"].address, _request(
+                f"json-{i}-{len(sampling)}", ids, procs["prefill"].address,
+                structured=structured_to_proto(so), **sampling))
+            for i, ids in enumerate(prompts[:2])
+        )
+    )  # fmt: skip
+    assert [toks for toks, _ in got] == [r.token_ids for r in want]
+    for (_, last), r in zip(got, want, strict=True):
+        assert r.finish_reason == "stop" and json.loads(r.text)["answer"]
+        assert last.finish_reason == common_pb2.FINISH_REASON_STOP
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp", "mooncake"])
