@@ -9,14 +9,13 @@ from __future__ import annotations
 from engine.errors import InvalidRequestError
 from engine.grammar_text import check
 from engine.sampling_params import SamplingParams
-from engine.structured import StructuredOutput
 from pdserve.v1 import common_pb2, gateway_pb2
-from services.common.convert import structured_from_proto, top_logprobs_to_proto
+from services.common import convert
+from services.common.convert import top_logprobs_to_proto
 from services.gateway.backend import GenerateChunk
 from services.gateway.served_model import ServedModel
 
 MAX_REQUEST_ID_LEN = 128
-DEFAULT_MAX_TOKENS = 16  # common.proto: "Unset: 16"
 
 FINISH_REASONS: dict[str, common_pb2.FinishReason] = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -38,36 +37,17 @@ def check_request_id(request_id: str) -> str:
 
 
 def sampling_from_proto(sp: common_pb2.SamplingParams) -> SamplingParams:
-    """The engine's ``SamplingParams`` for a proto message (unset fields take the defaults
-    written in common.proto). Raises ``InvalidRequestError`` naming the bad field."""
-    return SamplingParams(
-        max_tokens=sp.max_tokens if sp.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
-        temperature=sp.temperature if sp.HasField("temperature") else 1.0,
-        top_p=sp.top_p if sp.HasField("top_p") else 1.0,
-        top_k=sp.top_k,
-        min_p=sp.min_p,
-        seed=sp.seed if sp.HasField("seed") else None,
-        stop=tuple(sp.stop),
-        stop_token_ids=tuple(sp.stop_token_ids),
-        ignore_eos=sp.ignore_eos,
-        logprobs=sp.logprobs,
-        structured=_structured(sp),
-        top_logprobs=sp.top_logprobs,
-        include_stop_str_in_output=sp.include_stop_str_in_output,
-    )
-
-
-def _structured(sp: common_pb2.SamplingParams) -> StructuredOutput | None:
-    """The structured output, compiled and checked here so a bad one is INVALID_ARGUMENT
-    before any worker sees it."""
-    if not sp.HasField("structured"):
-        return None
-    out = structured_from_proto(sp.structured)
-    try:
-        check(out)
-    except InvalidRequestError as exc:
-        raise InvalidRequestError(f"sampling.structured: {exc}") from None
-    return out
+    """The engine's ``SamplingParams`` for a proto message: every field, unset ones at the
+    defaults written in common.proto (``services.common.convert``, what the workers read),
+    and a structured output compiled and checked here, so a bad one is INVALID_ARGUMENT
+    before any worker sees it. Raises ``InvalidRequestError`` naming the bad field."""
+    params = convert.sampling_from_proto(sp)
+    if params.structured is not None:
+        try:
+            check(params.structured)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"sampling.structured: {exc}") from None
+    return params
 
 
 def check_prompt_size(

@@ -92,6 +92,24 @@ async def test_top_logprobs_and_a_kept_stop_string(gw, stub, default_tokenizer) 
     assert "top_logprobs" in (e.value.details() or "")
 
 
+async def test_penalties_bias_and_min_tokens_reach_the_engine(gw, stub, default_tokenizer) -> None:
+    """Every SamplingParams field the proto carries is applied, as over HTTP: the output is
+    the engine's own for the same parameters (the gateway once dropped these five)."""
+    prompt = "List the colours of the rainbow:"
+    ids = default_tokenizer.encode(prompt)
+    forced = default_tokenizer.encode(" blue", add_special_tokens=False)[0]
+    params = SamplingParams(max_tokens=12, temperature=0, presence_penalty=1.5,
+                            frequency_penalty=0.5, repetition_penalty=1.3, min_tokens=12,
+                            logit_bias=((forced, 8.0),))  # fmt: skip
+    want, _ = await gw.reference(ids, params)
+    plain, _ = await gw.reference(ids, SamplingParams(max_tokens=12, temperature=0))
+    assert want != plain  # the fields change the output, so dropping them shows
+    sampling = _greedy(12, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3,
+                       min_tokens=12, logit_bias={forced: 8.0}, logprobs=True)  # fmt: skip
+    events = await _events(stub, gateway_pb2.GenerateRequest(prompt=prompt, sampling=sampling))
+    assert [t for ev in events for t in ev.token_ids] == want
+
+
 async def test_chat_and_token_id_inputs(gw, stub, default_tokenizer) -> None:
     chat = common_pb2.ChatMessages(
         messages=[common_pb2.ChatMessage(role="user", content="Name a fruit.")]
