@@ -87,7 +87,9 @@ async def _json_schemas(client: Any, model: str, n: int, count: int) -> Check:
         s = schema(level)
         fmt = {"type": "json_schema", "json_schema": {"name": f"s{level}", "schema": s}}
         messages = [{"role": "user", "content": f"Fill in example {level}."}]
-        args = {"model": model, "messages": messages, "n": n, "max_tokens": 400, "seed": level}
+        # A budget no schema here needs (the deepest take ~400 tokens): a choice cut by
+        # max_tokens would be a truncated JSON, not a grammar's failure.
+        args = {"model": model, "messages": messages, "n": n, "max_tokens": 1024, "seed": level}
         whole = await client.chat.completions.create(response_format=fmt, **args)
         texts = [c.message.content or "" for c in whole.choices]
         stream = await client.chat.completions.create(response_format=fmt, stream=True, **args)

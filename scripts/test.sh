@@ -14,7 +14,7 @@ $PY -m ruff check .
 $PY -m ruff format --check .
 
 set +e
-$PY -m pytest -m "not slow and not compose" --durations=15 "$@"
+$PY -m pytest -m "not slow and not compose" --durations=40 "$@"
 rc=$?
 set -e
 if [[ $rc -eq 5 ]]; then
