@@ -21,9 +21,16 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable, Sequence
 
+from engine.errors import EngineError
 from services.gateway.backend import GenerateChunk, GenerateInput
 
 MAX_N = 16  # choices per request: each is a whole generation
+
+
+class StreamEndedEarly(EngineError):
+    """A backend stream stopped before its last chunk (a backend fault, reported as such)."""
+
+
 _SEED_SPAN = 2**64
 
 
@@ -46,12 +53,15 @@ async def merged(
 ) -> AsyncIterator[tuple[int, GenerateChunk]]:
     """Run ``streams`` (factories, one per choice, started in order: choice 0 first, the
     rest once choice 0's first chunk is out) and yield each chunk with its choice's index
-    until every stream has finished. An error in any stream ends the whole (it is raised
-    here); closing this generator closes every stream."""
+    until every choice's last chunk (the one with a finish reason) is out. An error in any
+    stream ends the whole (it is raised here), and so does a stream that ends without its
+    last chunk (``StreamEndedEarly``); closing this generator closes every stream."""
     if len(streams) == 1:
         async for chunk in streams[0]():
             yield 0, chunk
-        return
+            if chunk.finish_reason is not None:
+                return
+        raise StreamEndedEarly("the backend ended the stream without a finish reason")
     queue: asyncio.Queue[tuple[int, GenerateChunk | Exception | None]] = asyncio.Queue()
     opened: list[AsyncIterator[GenerateChunk]] = []
     tasks: list[asyncio.Task[None]] = []
@@ -60,10 +70,12 @@ async def merged(
         try:
             async for chunk in stream:
                 queue.put_nowait((index, chunk))
+                if chunk.finish_reason is not None:
+                    queue.put_nowait((index, None))  # its last chunk: the choice is done
+                    return
+            raise StreamEndedEarly("the backend ended a stream without a finish reason")
         except Exception as exc:  # handed to the consumer, which raises it
             queue.put_nowait((index, exc))
-            return
-        queue.put_nowait((index, None))
 
     def start(index: int) -> None:
         stream = streams[index]()

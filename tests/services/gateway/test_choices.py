@@ -14,7 +14,7 @@ from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
 from services.gateway.admission import Admission, AdmissionLimits
 from services.gateway.backend import GenerateChunk, GenerateInput
-from services.gateway.choices import choice_inputs, merged
+from services.gateway.choices import StreamEndedEarly, choice_inputs, merged
 from services.gateway.engine_backend import EngineBackend
 
 pytestmark = pytest.mark.asyncio
@@ -81,6 +81,17 @@ async def test_an_error_in_one_choice_ends_the_request() -> None:
     with pytest.raises(RuntimeError, match="fell over"):
         async with asyncio.timeout(5):
             async for _ in merged([good, bad]):
+                pass
+
+
+@pytest.mark.parametrize("n", [1, 2])
+async def test_a_stream_that_ends_without_its_last_chunk_is_an_error(n: int) -> None:
+    async def cut_short() -> AsyncIterator[GenerateChunk]:
+        yield _chunk("a")
+
+    with pytest.raises(StreamEndedEarly, match="without a finish reason"):
+        async with asyncio.timeout(5):
+            async for _ in merged([cut_short] * n):
                 pass
 
 
