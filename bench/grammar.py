@@ -146,14 +146,12 @@ class LLGuidance:
 
     def __init__(self, tok: Tokenizer, vocab: int) -> None:
         import llguidance
-        import llguidance.torch
 
-        from engine.grammar import lltokenizer
+        from engine.grammar import fill_bitmask, lltokenizer
 
         self.llg = llguidance
-        self.llg_torch = llguidance.torch
+        self.fill_bitmask = fill_bitmask
         self.tokenizer = lltokenizer(tok, vocab)
-        self.executor = llguidance.LLExecutor()
 
     def compile(self, schema: dict[str, Any] | None) -> Any:
         grammar = self.llg.LLMatcher.grammar_from_json_schema(
@@ -167,11 +165,7 @@ class LLGuidance:
         return self.llg.LLMatcher(self.tokenizer, compiled)
 
     def fill(self, matchers: Sequence[Any], bitmask: torch.Tensor) -> None:
-        if len(matchers) == 1:
-            self.llg_torch.fill_next_token_bitmask(matchers[0], bitmask, 0)
-        else:
-            pairs = [(m, i) for i, m in enumerate(matchers)]
-            self.llg_torch.fill_next_token_bitmask_par(self.executor, pairs, bitmask)
+        self.fill_bitmask(matchers, bitmask)
 
     def accept(self, matcher: Any, token: int) -> None:
         assert matcher.consume_token(token), matcher.get_error()

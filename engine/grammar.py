@@ -27,7 +27,6 @@ from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
 import llguidance
-import llguidance.torch
 import torch
 
 from engine.errors import InvalidRequestError
@@ -154,11 +153,7 @@ def mask(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
     if not rows:
         return logits
     bitmask = torch.zeros((len(rows), (logits.shape[1] + 31) // 32), dtype=torch.int32)
-    matchers = [(seqs[i].grammar.llmatcher, r) for r, i in enumerate(rows)]  # type: ignore[union-attr]
-    if len(matchers) == 1:
-        llguidance.torch.fill_next_token_bitmask(matchers[0][0], bitmask, 0)
-    else:
-        llguidance.torch.fill_next_token_bitmask_par(_executor(), matchers, bitmask)
+    fill_bitmask([seqs[i].grammar.llmatcher for i in rows], bitmask)  # type: ignore[union-attr]
     bitmask = bitmask.to(logits.device, non_blocking=True)
     if len(rows) == logits.shape[0]:
         out = logits.clone()
@@ -168,6 +163,23 @@ def mask(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
     constrained = logits.index_select(0, index)
     apply_bitmask(constrained, bitmask)
     return logits.index_copy(0, index, constrained)
+
+
+def fill_bitmask(matchers: Seq[llguidance.LLMatcher], bitmask: torch.Tensor) -> None:
+    """Write each matcher's next-token mask into its row of ``bitmask`` (``[B, ceil(V / 32)]``
+    int32, contiguous, on the CPU), several rows in parallel on llguidance's threads.
+
+    The calls ``llguidance.torch`` wraps, made here: importing that module runs a
+    ``torch.compile`` decorator, which imports torch's compiler and triton into every
+    process that serves a structured request (seconds at start, and triton where nothing
+    else loads it)."""
+    assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and bitmask.device.type == "cpu"
+    rows, words = bitmask.shape
+    if len(matchers) == 1:
+        matchers[0].unsafe_compute_mask_ptr(bitmask.data_ptr(), words * 4)
+        return
+    pairs = [(m, r) for r, m in enumerate(matchers)]
+    _executor().unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, rows)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

@@ -223,6 +223,7 @@ def test_llama_cpp_is_skipped_with_a_reason(tmp_path: Path) -> None:
     assert res.decode[0].context == cfg.context
 
 
+@pytest.mark.slow  # a bench's whole run (its parts are tested above); -m slow runs it
 def test_quick_run_reports_every_size(tmp_path: Path) -> None:
     out = tmp_path / "engine.json"
     fake = fake_llama_cpp.install(tmp_path / "llama.cpp")

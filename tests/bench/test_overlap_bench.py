@@ -21,6 +21,7 @@ def test_the_table_judges_each_row_against_the_target() -> None:
     assert lines[3] == "| tcp | 512 | 3 | 50% FAIL | 250 ms |"
 
 
+@pytest.mark.slow  # a bench's whole run (its parts are tested above); -m slow runs it
 def test_a_small_run_reports_every_transport(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--transports", "shm,mooncake", "--lengths", "96", "--requests", "1"]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -310,6 +310,7 @@ def test_without_mooncake_its_method_is_skipped_with_the_reason(tmp_path: Path) 
     assert "mooncake did not run (" in proc.stdout and "mooncake-transfer-engine" in proc.stdout
 
 
+@pytest.mark.slow  # a bench's whole run (its parts are tested above); -m slow runs it
 def test_rounds_in_several_passes_are_all_timed_and_every_destination_checked(
     tmp_path: Path,
 ) -> None:
@@ -323,6 +324,7 @@ def test_rounds_in_several_passes_are_all_timed_and_every_destination_checked(
             assert m["verified"] is True and len(m["seconds"]) == 4
 
 
+@pytest.mark.slow  # a bench's whole run (its parts are tested above); -m slow runs it
 def test_tiny_hop_streams_the_same_tokens_on_both_paths(tmp_path: Path) -> None:
     data = _run(
         tmp_path,
