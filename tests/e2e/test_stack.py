@@ -515,11 +515,19 @@ async def test_a_drained_decode_worker_streams_migrate_at_its_drain_deadline(
     st, endpoints = stack
     before = _gateway_metric(endpoints, "pdserve:migrations_total", 'cause="decode_lost"')
     streams = await _poems_streaming(endpoints)
-    # the decode worker running the most of them (placement may put them all on one)
+    # The decode worker running the most of them (placement may put them all on one),
+    # read until one reports some: a worker with none would drain without a migration.
     alive = [
         p for p in st.procs if p.name.startswith("decode-") and p.popen and p.popen.poll() is None
     ]
-    victim = max(alive, key=lambda p: _running(endpoints, p.name))
+    deadline = time.monotonic() + 30
+    while True:
+        running = {p.name: _running(endpoints, p.name) for p in alive}
+        victim = max(alive, key=lambda p: running[p.name])
+        if running[victim.name] > 0:
+            break
+        assert time.monotonic() < deadline, running
+        await asyncio.sleep(0.05)
     assert victim.popen is not None
     victim.popen.terminate()
     texts = await asyncio.wait_for(asyncio.gather(*streams), 180)

@@ -30,9 +30,22 @@ def _run(device, dtype, block_size, kv_heads, ratio, dim, lens, index_dtype, see
     torch.testing.assert_close(out.cpu(), ref, **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("ratio", [1, 3, 8])
+# Every dtype, block size and GQA ratio appears in the default run; the rest of the grid
+# (interpreted on the CPU, seconds a case) runs under -m slow and on a GPU.
+_DEFAULT_CASES = {(torch.float32, 16, 1), (torch.bfloat16, 8, 3), (torch.float32, 32, 8)}
+_GRID = [
+    pytest.param(
+        dtype, block_size, ratio,
+        id=f"{ratio}-{block_size}-{'fp32' if dtype is torch.float32 else 'bf16'}",
+        marks=() if (dtype, block_size, ratio) in _DEFAULT_CASES else pytest.mark.slow,
+    )
+    for ratio in (1, 3, 8)
+    for block_size in (8, 16, 32)
+    for dtype in (torch.float32, torch.bfloat16)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("dtype", "block_size", "ratio"), _GRID)
 def test_matches_reference(device, dtype, block_size, ratio) -> None:
     # ragged: one token, exactly one block, one past a block, several blocks and a ragged tail
     lens = [1, block_size, block_size + 1, 3 * block_size - 5]
