@@ -1,6 +1,6 @@
 """Read a llama-architecture GGUF file into a ModelConfig and Hugging Face-named tensors.
 
-The file is parsed with ``gguf.GGUFReader``. Every tensor is dequantized with
+The file is read by ``engine.gguf_file``. Every tensor is dequantized with
 ``gguf.quants.dequantize`` (vectorized numpy), so any type that package can dequantize is
 accepted; with ``quantized=True`` the matrices of a type with a kernel
 (``kernels.quant_linear.KERNEL_TYPES``) stay as their packed blocks instead
@@ -20,15 +20,14 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 import torch
-from gguf import GGMLQuantizationType, GGUFValueType
+from gguf import GGMLQuantizationType
 
 from engine.config import ModelConfig, RopeScaling
 from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.gguf_file import GGUFTensor, open_gguf
 from kernels.quant_linear import KERNEL_TYPES, QuantizedWeight
 
 Weight = torch.Tensor | QuantizedWeight
-
-GGUF_MAGIC = b"GGUF"
 
 _LAYER_TENSORS: dict[str, str] = {
     "attn_norm": "input_layernorm",
@@ -51,23 +50,6 @@ _ROPE_FREQS = "rope_freqs.weight"
 # Dequantize in numpy calls of about 16 * 4096 blocks: large enough to amortize the per-call
 # overhead, small enough for the temporaries to stay in cache.
 _BLOCKS_PER_ROW = 4096
-
-
-class _PlainArrayReader(gguf.GGUFReader):
-    """GGUFReader over a plain ndarray view of its memmap.
-
-    The reader slices its buffer hundreds of thousands of times for the tokenizer arrays;
-    ``np.memmap.__getitem__`` costs about three times a plain ndarray slice. The view still
-    holds the mapping open, so tensors stay zero-copy until dequantized.
-    """
-
-    @property  # type: ignore[override]
-    def data(self) -> npt.NDArray[Any]:
-        return self._plain_data
-
-    @data.setter
-    def data(self, value: npt.NDArray[Any]) -> None:
-        self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -111,18 +93,18 @@ def load_gguf(
     another architecture or a tensor type ``gguf`` cannot dequantize. ``lm_head.weight`` is
     present only when the file has an ``output.weight``.
     """
-    reader = _open_reader(path)
-    metadata = _Metadata(reader, path)
+    file = open_gguf(path)
+    metadata = _Metadata(file.metadata, path)
     architecture = metadata.string("general.architecture")
     if architecture != "llama":
         raise UnsupportedModelError(
             f"{path}: GGUF architecture {architecture!r} is not supported (only 'llama')"
         )
-    by_name = {tensor.name: tensor for tensor in reader.tensors}
+    by_name = {tensor.name: tensor for tensor in file.tensors}
     config = _read_config(metadata, by_name, path)
 
     tensors: dict[str, Weight] = {}
-    for tensor in reader.tensors:
+    for tensor in file.tensors:
         name = hf_tensor_name(tensor.name)
         if name is None:
             continue
@@ -141,13 +123,13 @@ def load_gguf(
     return config, tensors
 
 
-def _keeps_blocks(tensor: gguf.ReaderTensor) -> bool:
-    return len(tensor.shape) == 2 and GGMLQuantizationType(tensor.tensor_type) in KERNEL_TYPES
+def _keeps_blocks(tensor: GGUFTensor) -> bool:
+    return len(tensor.shape) == 2 and tensor.qtype in KERNEL_TYPES
 
 
-def _packed(tensor: gguf.ReaderTensor, heads: int | None, path: Path) -> QuantizedWeight:
-    qtype = GGMLQuantizationType(tensor.tensor_type)
-    in_f, out_f = (int(dim) for dim in tensor.shape.tolist())  # ggml order: innermost first
+def _packed(tensor: GGUFTensor, heads: int | None, path: Path) -> QuantizedWeight:
+    qtype = tensor.qtype
+    in_f, out_f = tensor.shape  # ggml order: innermost first
     data = tensor.data
     if heads is not None:
         data = unpermute_qk(data, heads)
@@ -159,58 +141,34 @@ def _packed(tensor: gguf.ReaderTensor, heads: int | None, path: Path) -> Quantiz
         raise ModelLoadError(f"{path}: tensor {tensor.name!r}: {e}") from e
 
 
-def _open_reader(path: Path) -> gguf.GGUFReader:
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as handle:
-            magic = handle.read(4)
-    except OSError as e:
-        raise ModelLoadError(f"{path}: cannot read: {e}") from e
-    if magic != GGUF_MAGIC:
-        raise ModelLoadError(
-            f"{path}: not a GGUF file (starts with {magic!r}, not {GGUF_MAGIC!r}; {size} bytes)"
-        )
-    try:
-        reader = _PlainArrayReader(path)
-    except OSError as e:
-        raise ModelLoadError(f"{path}: cannot read: {e}") from e
-    except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError) as e:
-        # The reader slices past the end of a short file and fails on the resulting shapes.
-        raise ModelLoadError(
-            f"{path}: GGUF file is truncated or corrupt ({size} bytes): {e}"
-        ) from e
-    if reader.byte_order != "I":
-        raise UnsupportedModelError(f"{path}: big-endian GGUF files are not supported")
-    return reader
-
-
 class _Metadata:
-    """Typed access to a reader's key/value fields with errors that name the key."""
+    """Typed access to the header's key/values with errors that name the key."""
 
-    def __init__(self, reader: gguf.GGUFReader, path: Path) -> None:
-        self._fields = reader.fields
+    def __init__(self, values: dict[str, Any], path: Path) -> None:
+        self._values = values
         self._path = path
 
     def has(self, key: str) -> bool:
-        return key in self._fields
+        return key in self._values
 
     def _scalar(self, key: str) -> Any:
-        field = self._fields.get(key)
-        if field is None:
+        if key not in self._values:
             raise ModelLoadError(f"{self._path}: GGUF metadata key {key!r} is missing")
-        if field.types and field.types[0] == GGUFValueType.ARRAY:
-            values = field.contents()
-            if values and all(value == values[0] for value in values):
+        value = self._values[key]
+        if isinstance(value, list | np.ndarray):
+            if len(value) and all(v == value[0] for v in value):
                 # Some converters store per-layer values; uniform ones are a plain scalar.
-                return values[0]
+                return value[0]
             raise UnsupportedModelError(
                 f"{self._path}: GGUF metadata {key!r} varies per layer, which is not supported"
             )
-        return field.contents()
+        return value
 
     def integer(self, key: str) -> int:
         value = self._scalar(key)
-        if isinstance(value, str | bytes) or (isinstance(value, float) and not value.is_integer()):
+        if isinstance(value, str | bytes) or (
+            isinstance(value, float | np.floating) and not float(value).is_integer()
+        ):
             raise ModelLoadError(
                 f"{self._path}: GGUF metadata {key!r} is not an integer: {value!r}"
             )
@@ -220,9 +178,9 @@ class _Metadata:
         value = self._scalar(key)
         if isinstance(value, str | bytes):
             raise ModelLoadError(f"{self._path}: GGUF metadata {key!r} is not a number: {value!r}")
-        if self._fields[key].types[-1] == GGUFValueType.FLOAT32:
+        if isinstance(value, np.float32):
             # The shortest float32 repr recovers the converter's decimal (1e-05, not 9.99e-06).
-            return float(str(np.float32(value)))
+            return float(str(value))
         return float(value)
 
     def string(self, key: str) -> str:
@@ -232,15 +190,11 @@ class _Metadata:
         return value
 
     def array_length(self, key: str) -> int | None:
-        field = self._fields.get(key)
-        if field is None or not field.types or field.types[0] != GGUFValueType.ARRAY:
-            return None
-        return len(field.data)
+        value = self._values.get(key)
+        return len(value) if isinstance(value, list | np.ndarray) else None
 
 
-def _read_config(
-    metadata: _Metadata, tensors: dict[str, gguf.ReaderTensor], path: Path
-) -> ModelConfig:
+def _read_config(metadata: _Metadata, tensors: dict[str, GGUFTensor], path: Path) -> ModelConfig:
     hidden = metadata.integer("llama.embedding_length")
     heads = metadata.integer("llama.attention.head_count")
     kv_heads = (
@@ -297,7 +251,7 @@ def _head_dim(metadata: _Metadata, hidden: int, heads: int, path: Path) -> int:
     return head_dim
 
 
-def _vocab_size(metadata: _Metadata, tensors: dict[str, gguf.ReaderTensor], path: Path) -> int:
+def _vocab_size(metadata: _Metadata, tensors: dict[str, GGUFTensor], path: Path) -> int:
     if metadata.has("llama.vocab_size"):
         return metadata.integer("llama.vocab_size")
     token_count = metadata.array_length("tokenizer.ggml.tokens")
@@ -312,7 +266,7 @@ def _vocab_size(metadata: _Metadata, tensors: dict[str, gguf.ReaderTensor], path
 
 def _rope_scaling(
     metadata: _Metadata,
-    tensors: dict[str, gguf.ReaderTensor],
+    tensors: dict[str, GGUFTensor],
     head_dim: int,
     rope_theta: float,
     path: Path,
@@ -382,8 +336,8 @@ def _llama3_scaling_from_freqs(
     return candidate
 
 
-def _dequantize(tensor: gguf.ReaderTensor, path: Path) -> npt.NDArray[np.float32]:
-    qtype = GGMLQuantizationType(tensor.tensor_type)
+def _dequantize(tensor: GGUFTensor, path: Path) -> npt.NDArray[np.float32]:
+    qtype = tensor.qtype
     try:
         weight = _dequantize_blocks(tensor.data, qtype)
     except NotImplementedError as e:
@@ -394,7 +348,7 @@ def _dequantize(tensor: gguf.ReaderTensor, path: Path) -> npt.NDArray[np.float32
         raise ModelLoadError(
             f"{path}: tensor {tensor.name!r} ({qtype.name}) is corrupt: {e}"
         ) from e
-    expected_shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
+    expected_shape = tuple(reversed(tensor.shape))
     if weight.shape != expected_shape:
         raise ModelLoadError(
             f"{path}: tensor {tensor.name!r} dequantized to shape {weight.shape}, "

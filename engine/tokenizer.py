@@ -20,8 +20,6 @@ streaming ``IncrementalDetokenizer`` agree by construction.
 from __future__ import annotations
 
 import json
-import mmap
-import struct
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +30,7 @@ from tokenizers import Tokenizer as _Backend
 
 from engine.chat_template import ChatTemplate
 from engine.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
+from engine.gguf_file import read_metadata
 
 # llama.cpp token types (gguf.TokenType)
 _TOKEN_TYPE_CONTROL = 3
@@ -219,7 +218,7 @@ class Tokenizer:
         a pre-tokenizer not in ``SUPPORTED_GGUF_PRE``.
         """
         p = Path(path)
-        meta = read_gguf_metadata(p)
+        meta = read_metadata(p)
         kind = meta.get("tokenizer.ggml.model")
         if kind is None:
             raise ModelLoadError(
@@ -525,105 +524,3 @@ def _hf_chat_template(d: Path, config: Mapping[str, Any]) -> str | None:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     return template if isinstance(template, str) else None
-
-
-# -- GGUF metadata ----------------------------------------------------------------------------
-
-_GGUF_MAGIC = b"GGUF"
-# GGUF value type -> struct format (without byte order); 8 is string, 9 is array
-_GGUF_SCALARS: dict[int, str] = {
-    0: "B",
-    1: "b",
-    2: "H",
-    3: "h",
-    4: "I",
-    5: "i",
-    6: "f",
-    7: "?",
-    10: "Q",
-    11: "q",
-    12: "d",
-}
-_GGUF_STRING = 8
-_GGUF_ARRAY = 9
-
-
-def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """Every key/value of a GGUF file's header, without touching tensor data.
-
-    Scalars come back as Python ``int``/``float``/``bool``, strings as ``str``, string arrays as
-    ``list[str]`` and numeric arrays as numpy arrays. ``gguf.GGUFReader`` builds several numpy
-    views per string (about 2.5 s for a 49k-token vocabulary); this reads the header with
-    ``struct`` in a tenth of that. Raises ``ModelLoadError`` for a missing, truncated or
-    non-GGUF file.
-    """
-    p = Path(path)
-    try:
-        with p.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _parse_gguf_header(buf, p)
-    except ModelLoadError:
-        raise
-    except (OSError, ValueError, struct.error, UnicodeDecodeError) as exc:
-        # ValueError also covers mmap of an empty file
-        raise ModelLoadError(f"{p}: cannot read GGUF metadata: {exc}") from exc
-
-
-def _parse_gguf_header(buf: mmap.mmap, path: Path) -> dict[str, Any]:
-    if buf[:4] != _GGUF_MAGIC:
-        raise ModelLoadError(f"{path}: not a GGUF file (bad magic)")
-    (version,) = struct.unpack_from("<I", buf, 4)
-    # A big-endian file reads as a version with its low half zero
-    order = ">" if version & 0xFFFF == 0 else "<"
-    if order == ">":
-        (version,) = struct.unpack_from(">I", buf, 4)
-    if version not in (2, 3):
-        raise UnsupportedModelError(f"{path}: GGUF version {version} is not supported (2 or 3)")
-    _n_tensors, n_kv = struct.unpack_from(order + "QQ", buf, 8)
-    size = len(buf)
-    u64 = struct.Struct(order + "Q")
-    u32 = struct.Struct(order + "I")
-    pos = 24
-
-    def read_str() -> str:
-        nonlocal pos
-        (n,) = u64.unpack_from(buf, pos)
-        start = pos + 8
-        if start + n > size:
-            raise ModelLoadError(f"{path}: truncated GGUF metadata")
-        pos = start + n
-        return buf[start:pos].decode("utf-8")
-
-    def read_value(vtype: int) -> Any:
-        nonlocal pos
-        if vtype == _GGUF_STRING:
-            return read_str()
-        if vtype in _GGUF_SCALARS:
-            s = struct.Struct(order + _GGUF_SCALARS[vtype])
-            (value,) = s.unpack_from(buf, pos)
-            pos += s.size
-            return value
-        if vtype == _GGUF_ARRAY:
-            (item_type,) = u32.unpack_from(buf, pos)
-            (count,) = u64.unpack_from(buf, pos + 4)
-            pos += 12
-            if item_type == _GGUF_STRING:
-                return [read_str() for _ in range(count)]
-            if item_type in _GGUF_SCALARS:
-                dtype = np.dtype(_GGUF_SCALARS[item_type]).newbyteorder(order)
-                end = pos + dtype.itemsize * count
-                if end > size:
-                    raise ModelLoadError(f"{path}: truncated GGUF metadata")
-                # bytes slice copies, so nothing keeps the mmap exported after we return
-                array = np.frombuffer(buf[pos:end], dtype=dtype).astype(dtype.newbyteorder("="))
-                pos = end
-                return array
-            return [read_value(item_type) for _ in range(count)]
-        raise ModelLoadError(f"{path}: unknown GGUF value type {vtype}")
-
-    meta: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key = read_str()
-        (vtype,) = u32.unpack_from(buf, pos)
-        pos += 4
-        meta[key] = read_value(vtype)
-    return meta

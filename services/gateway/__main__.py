@@ -57,7 +57,8 @@ def _build_cluster(cfg: GatewayConfig) -> tuple[ClusterBackend, ServedModel]:
     import json
 
     from engine.checkpoint import default_model_path
-    from engine.tokenizer import Tokenizer, read_gguf_metadata
+    from engine.gguf_file import read_metadata
+    from engine.tokenizer import Tokenizer
     from services.gateway.cluster_backend import ClusterBackend
     from services.gateway.served_model import ServedModel
 
@@ -65,7 +66,7 @@ def _build_cluster(cfg: GatewayConfig) -> tuple[ClusterBackend, ServedModel]:
     path = Path(model) if model else default_model_path()
     tokenizer = Tokenizer.from_path(path)
     if path.is_file():
-        context = int(read_gguf_metadata(path)["llama.context_length"])
+        context = int(read_metadata(path)["llama.context_length"])
     else:
         context = int(json.loads((path / "config.json").read_text())["max_position_embeddings"])
     checkpoint_name = _default_model_name(model)

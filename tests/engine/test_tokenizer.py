@@ -18,7 +18,8 @@ from transformers import AutoTokenizer
 
 from engine.chat_template import validate_messages
 from engine.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
-from engine.tokenizer import Tokenizer, read_gguf_metadata
+from engine.gguf_file import read_metadata
+from engine.tokenizer import Tokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -213,8 +214,8 @@ def test_gguf_loading_is_fast(gguf_path: Path) -> None:
     assert time.perf_counter() - start < 2.0
 
 
-def test_read_gguf_metadata(gguf_path: Path) -> None:
-    meta = read_gguf_metadata(gguf_path)
+def test_read_metadata(gguf_path: Path) -> None:
+    meta = read_metadata(gguf_path)
     assert meta["general.architecture"] == "llama"
     assert meta["llama.block_count"] == 30
     assert meta["tokenizer.ggml.pre"] == "smollm"
