@@ -229,49 +229,11 @@ class Tokenizer:
                 f"{p}: tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')"
             )
         tokens = meta.get("tokenizer.ggml.tokens")
-        merges = meta.get("tokenizer.ggml.merges")
         if not isinstance(tokens, list) or not tokens:
             raise ModelLoadError(f"{p}: tokenizer.ggml.tokens is missing or empty")
-        if not isinstance(merges, list):
-            raise ModelLoadError(f"{p}: tokenizer.ggml.merges is missing")
-        pre = meta.get("tokenizer.ggml.pre", "default")
-        pre_tokenizer = _byte_level_pre_tokenizer(str(pre))
-
-        types = meta.get("tokenizer.ggml.token_type")
-        if types is None:
-            types = np.ones(len(tokens), dtype=np.int32)
-        types = np.asarray(types)
-        if len(types) != len(tokens):
-            raise ModelLoadError(
-                f"{p}: {len(types)} token types for {len(tokens)} tokens in tokenizer metadata"
-            )
-        control = [int(i) for i in np.nonzero(types == _TOKEN_TYPE_CONTROL)[0]]
-        user_defined = [int(i) for i in np.nonzero(types == _TOKEN_TYPE_USER_DEFINED)[0]]
+        control, user_defined = _gguf_added_ids(meta, len(tokens), p)
+        backend = _gguf_backend(meta, tokens, control, user_defined, p)
         literal = set(control) | set(user_defined)
-
-        # Vocabulary tokens are already byte-level spelled in a sane file; respell any that are
-        # not, as transformers does. Added tokens keep their literal text so they match it.
-        vocab: dict[str, int] = {}
-        for i, tok in enumerate(tokens):
-            if i not in literal and not _ALPHABET.issuperset(tok):
-                tok = _respell(tok)
-            vocab.setdefault(tok, i)
-        try:
-            pairs = [tuple(m.split(" ", 1)) for m in merges]
-            backend = _Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
-        except Exception as exc:
-            raise ModelLoadError(f"{p}: tokenizer vocabulary/merges are invalid: {exc}") from exc
-        backend.pre_tokenizer = pre_tokenizer
-        backend.decoder = decoders.ByteLevel()
-        backend.add_special_tokens(
-            [AddedToken(tokens[i], special=True, normalized=False) for i in control]
-        )
-        backend.add_tokens(
-            [AddedToken(tokens[i], special=False, normalized=False) for i in user_defined]
-        )
-        for i in sorted(literal):
-            if backend.token_to_id(tokens[i]) != i:
-                raise ModelLoadError(f"{p}: added token {tokens[i]!r} (id {i}) is duplicated")
 
         bos = _optional_id(meta, "tokenizer.ggml.bos_token_id", len(tokens), p)
         eos = _optional_id(meta, "tokenizer.ggml.eos_token_id", len(tokens), p)
@@ -449,6 +411,62 @@ class Tokenizer:
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+
+def _gguf_added_ids(
+    meta: Mapping[str, Any], n_tokens: int, path: Path
+) -> tuple[list[int], list[int]]:
+    """The ids of CONTROL tokens (special) and USER_DEFINED ones (plain added tokens)."""
+    types = meta.get("tokenizer.ggml.token_type")
+    types = np.ones(n_tokens, dtype=np.int32) if types is None else np.asarray(types)
+    if len(types) != n_tokens:
+        raise ModelLoadError(
+            f"{path}: {len(types)} token types for {n_tokens} tokens in tokenizer metadata"
+        )
+    control = [int(i) for i in np.nonzero(types == _TOKEN_TYPE_CONTROL)[0]]
+    user_defined = [int(i) for i in np.nonzero(types == _TOKEN_TYPE_USER_DEFINED)[0]]
+    return control, user_defined
+
+
+def _gguf_backend(
+    meta: Mapping[str, Any],
+    tokens: list[str],
+    control: list[int],
+    user_defined: list[int],
+    path: Path,
+) -> _Backend:
+    """The BPE of a GGUF's vocabulary and merges, its pre-tokenizer chosen by
+    ``tokenizer.ggml.pre``, the added tokens matched whole in the text."""
+    merges = meta.get("tokenizer.ggml.merges")
+    if not isinstance(merges, list):
+        raise ModelLoadError(f"{path}: tokenizer.ggml.merges is missing")
+    literal = set(control) | set(user_defined)
+    # Vocabulary tokens are already byte-level spelled in a sane file; respell any that are
+    # not, as transformers does. Added tokens keep their literal text so they match it.
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        if i not in literal and not _ALPHABET.issuperset(tok):
+            tok = _respell(tok)
+        vocab.setdefault(tok, i)
+    try:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        backend = _Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: tokenizer vocabulary/merges are invalid: {exc}") from exc
+    backend.pre_tokenizer = _byte_level_pre_tokenizer(
+        str(meta.get("tokenizer.ggml.pre", "default"))
+    )
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i in control]
+    )
+    backend.add_tokens(
+        [AddedToken(tokens[i], special=False, normalized=False) for i in user_defined]
+    )
+    for i in sorted(literal):
+        if backend.token_to_id(tokens[i]) != i:
+            raise ModelLoadError(f"{path}: added token {tokens[i]!r} (id {i}) is duplicated")
+    return backend
 
 
 def _optional_id(meta: Mapping[str, Any], key: str, n_tokens: int, path: Path) -> int | None:
