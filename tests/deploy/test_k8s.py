@@ -110,6 +110,21 @@ def test_renders_and_validates_against_the_schemas(directory: str) -> None:
     objects = kustomize(K8S / directory)
     assert objects
     assert validate(objects) == []
+    # Secrets only from dev-secrets: applying the rest never overwrites the ones you made
+    secrets = [o for o in objects if o["kind"] == "Secret"]
+    assert bool(secrets) == (directory == "dev-secrets"), secrets
+
+
+def test_the_base_holds_the_stack() -> None:
+    workloads = {"redis": "StatefulSet"} | dict.fromkeys(
+        ("kv-store", "scheduler", "prefill", "decode", "gateway"), "Deployment"
+    )
+    expected = {(kind, name) for name, kind in workloads.items()}
+    expected |= {("Service", name) for name in workloads}
+    expected |= {("PodDisruptionBudget", n) for n in ("prefill", "decode", "gateway")}
+    expected |= {("NetworkPolicy", n) for n in ("redis", "kv-store")}
+    objects = kustomize(K8S / "base")
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in objects) == sorted(expected)
 
 
 def test_validate_command_reads_kustomizes_output(
