@@ -1,4 +1,4 @@
-"""Attention over the paged KV pool: the torch reference path (any device).
+"""Attention over the paged KV pool, from the engine's batch types (any device).
 
 Two shapes of work per layer:
 - prefill segments: a chunk of prompt queries, causal among themselves, on top of
@@ -6,8 +6,10 @@ Two shapes of work per layer:
 - a decode batch: one query per sequence, over variable-length contexts.
 
 GQA is computed without materialising repeated K/V heads: queries are viewed as
-``[kv_heads, group, ...]`` and multiplied against each KV head once. Triton kernels
-(``kernels/``) implement the same two functions for GPUs and are checked against these.
+``[kv_heads, group, ...]`` and multiplied against each KV head once. Decode runs a
+kernel where one applies (the C++ CPU kernel here; the Triton kernel on a GPU, chosen in
+``engine/model.py``), else the torch reference; the references live with the kernels
+(``kernels/reference.py``), and this module adapts a ``DecodeBatch`` to them.
 
 The pool may hold a narrower dtype than the queries (a float16 KV cache under float32
 compute): attention then reads every key and value as stored, widened to the queries'
@@ -23,20 +25,7 @@ import torch.nn.functional as F
 
 from engine.forward_batch import DecodeBatch, PrefillSegment
 from kernels.paged_attention import POOL_DTYPES, cpu_kernel_available, decode_attention_cpu
-
-
-def write_kv(
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slot_blocks: torch.Tensor,
-    slot_offsets: torch.Tensor,
-) -> None:
-    """Store new tokens' keys/values (``[T, kv_heads, head_dim]``) into their slots, cast
-    to the pool's dtype (rounded to nearest even)."""
-    k_pool[slot_blocks, slot_offsets] = k.to(k_pool.dtype)
-    v_pool[slot_blocks, slot_offsets] = v.to(v_pool.dtype)
+from kernels.reference import Workspace, decode_attention_reference
 
 
 def gather_context(pool: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -91,28 +80,6 @@ def prefill_attention(
     return out.squeeze(0).transpose(0, 1)
 
 
-class Workspace:
-    """Scratch buffers reused across layers and steps (grow, never shrink).
-
-    Why: a fresh multi-megabyte tensor per layer is a fresh mmap, and its page faults cost
-    more than the gather that fills it.
-    """
-
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.device = torch.device(device)
-        self._bufs: dict[str, torch.Tensor] = {}
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        numel = 1
-        for n in shape:
-            numel *= n
-        buf = self._bufs.get(name)
-        if buf is None or buf.numel() < numel or buf.dtype != dtype:
-            buf = torch.empty(max(numel, 1), dtype=dtype, device=self.device)
-            self._bufs[name] = buf
-        return buf[:numel].view(shape)
-
-
 def decode_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -137,37 +104,7 @@ def decode_attention(
             q.contiguous(), k_pool, v_pool, batch.block_tables, batch.context_lens, scale,
             ranges_checked=ranges_checked,
         )  # fmt: skip
-    return decode_attention_reference(q, k_pool, v_pool, batch, scale, workspace)
-
-
-def decode_attention_reference(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    batch: DecodeBatch,
-    scale: float,
-    workspace: Workspace | None = None,
-) -> torch.Tensor:
-    """One query per sequence (``q``: ``[B, heads, head_dim]``) over its paged context."""
-    b, heads, dim = q.shape
-    kv_heads = k_pool.shape[2]
-    max_len = batch.max_context_len
-    flat = batch.block_tables.reshape(-1)
-    ws = workspace or Workspace(q.device)
-    gathered = (flat.numel(), *k_pool.shape[1:])
-    kbuf = ws.get("k", gathered, k_pool.dtype)
-    vbuf = ws.get("v", gathered, v_pool.dtype)
-    # index_select on whole blocks is the cheapest gather torch has on CPU; the
-    # [B, T, kv, D] -> [B, kv, T, D] transpose stays a view that SDPA reads with strides.
-    torch.index_select(k_pool, 0, flat, out=kbuf)
-    torch.index_select(v_pool, 0, flat, out=vbuf)
-    keys = kbuf.view(b, -1, kv_heads, dim)[:, :max_len].transpose(1, 2).to(q.dtype)
-    values = vbuf.view(b, -1, kv_heads, dim)[:, :max_len].transpose(1, 2).to(q.dtype)
-    mask = None
-    if int(batch.context_lens.min()) < max_len:
-        lens = batch.context_lens.unsqueeze(1)
-        mask = (torch.arange(max_len, device=lens.device) < lens).view(b, 1, 1, max_len)
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-    )
-    return out.view(b, heads, dim)
+    return decode_attention_reference(
+        q, k_pool, v_pool, batch.block_tables, batch.context_lens, scale, workspace,
+        max_context_len=batch.max_context_len,
+    )  # fmt: skip

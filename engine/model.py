@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.attention import Workspace, decode_attention, prefill_attention, write_kv
+from engine.attention import decode_attention, prefill_attention
 from engine.config import ModelConfig
 from engine.forward_batch import DecodeBatch, ForwardBatch
 from engine.gguf_loader import Weight
@@ -28,6 +28,7 @@ from kernels import layer_ops
 from kernels.linear import PackedLinear
 from kernels.paged_attention import check_decode_ranges, cpu_kernel_available
 from kernels.quant_linear import KERNEL_TYPES, QuantizedWeight, QuantLinear, dequantize_rows
+from kernels.reference import Workspace, write_kv
 
 Linear = PackedLinear | QuantLinear
 

@@ -1,9 +1,9 @@
 """Checking launchers for the fused per-layer CPU ops of ``csrc/layer_ops.cpp``.
 
-Each has a torch reference in the engine (``engine/model.py``'s ``_rms_norm``,
-``engine/rope.py``, ``engine/attention.write_kv``) and is tested against it
-(tests/kernels/test_layer_ops.py). All take float32 contiguous CPU tensors, except the KV
-pools ``rope_write_kv`` stores into, which may also be float16.
+Each has a torch reference (``engine/model.py``'s ``_rms_norm``, ``engine/rope.py``,
+``kernels.reference.write_kv``) and is tested against it (tests/kernels/test_layer_ops.py).
+All take float32 contiguous CPU tensors, except the KV pools ``rope_write_kv`` stores into,
+which may also be float16.
 """
 
 from __future__ import annotations

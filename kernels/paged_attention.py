@@ -2,7 +2,7 @@
 
 ``decode_attention_cpu`` runs ``csrc/paged_decode_attention.cpp``: it reads each
 sequence's keys and values in place from the pool's blocks, where the torch reference
-(``engine/attention.py``) first gathers them into a contiguous copy. The extension is
+(``kernels/reference.py``) first gathers them into a contiguous copy. The extension is
 compiled on first use (``kernels/extension.py``); if that is impossible the engine keeps
 the reference path.
 The engine's ``cpu_kernels`` setting decides whether it is asked at all.

@@ -3,7 +3,7 @@
 // At decode batch sizes a layer's matrix products take tens of microseconds, and the dozens
 // of elementwise torch ops around them (each a dispatch and an allocation) cost as much
 // again. Each function here is one pass over its rows, with the float32 arithmetic of the
-// torch reference (engine/model.py, engine/rope.py, engine/attention.py), in the same order
+// torch reference (engine/model.py, engine/rope.py, kernels/reference.py), in the same order
 // where the reference's order is observable (RoPE and the KV write are bit-identical;
 // norms and SiLU differ in the last bits: a sum's order, exp's rounding).
 //

@@ -1,6 +1,6 @@
 """Paged decode attention in Triton: one query per sequence over its paged context.
 
-Contract (the same as ``engine.attention.decode_attention_reference``, the reference):
+Contract (the same as ``kernels.reference.decode_attention_reference``, the reference):
 ``q`` ``[B, heads, D]``; ``k_pool``/``v_pool`` one layer's ``[num_blocks, block_size,
 kv_heads, D]``; ``block_tables`` ``[B, max_blocks]`` and ``context_lens`` ``[B]``
 (int32 or int64) where row ``b``'s first ``context_lens[b]`` tokens live in the blocks its
@@ -18,8 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention import decode_attention_reference
-from engine.forward_batch import DecodeBatch
+from kernels.reference import decode_attention_reference
 from kernels.triton.checks import (
     INDEX_DTYPES,
     check_dim,
@@ -162,12 +161,10 @@ def paged_decode_attention_reference(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """The engine's torch reference behind this kernel's signature. It runs on the CPU (the
-    engine's reference builds CPU masks) in float32, so a bf16 kernel is compared with
-    exact math rather than with another rounding; the result comes back in ``q``'s dtype
-    and device."""
-    lens = context_lens.cpu().long()
-    batch = DecodeBatch(0, block_tables.cpu().long(), lens, int(lens.max()))
+    """``decode_attention_reference`` on the CPU in float32, so a bf16 kernel is compared
+    with exact math rather than with another rounding; the result comes back in ``q``'s
+    dtype and device."""
     k, v = k_pool.cpu().float(), v_pool.cpu().float()
-    out = decode_attention_reference(q.cpu().float(), k, v, batch, scale)
+    tables, lens = block_tables.cpu().long(), context_lens.cpu().long()
+    out = decode_attention_reference(q.cpu().float(), k, v, tables, lens, scale)
     return out.to(device=q.device, dtype=q.dtype)

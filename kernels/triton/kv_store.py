@@ -1,6 +1,6 @@
 """Store a step's new keys and values into their slots of one layer's paged pool, in Triton.
 
-Contract (the same as ``engine.attention.write_kv``, the reference): ``k``/``v``
+Contract (the same as ``kernels.reference.write_kv``, the reference): ``k``/``v``
 ``[T, kv_heads, D]``; token ``i`` goes to ``k_pool[slot_blocks[i], slot_offsets[i]]`` (and
 ``v_pool`` likewise), pools ``[num_blocks, block_size, kv_heads, D]`` of the same dtype.
 One program per token copies its ``kv_heads x D`` rows of keys and of values.
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention import write_kv
+from kernels.reference import write_kv
 from kernels.triton.checks import (
     INDEX_DTYPES,
     check_dim,
@@ -114,5 +114,5 @@ def store_kv_reference(
     slot_blocks: torch.Tensor,
     slot_offsets: torch.Tensor,
 ) -> None:
-    """The engine's ``write_kv`` (advanced indexing takes int32 or int64 ids)."""
+    """``write_kv`` with the slot ids widened to int64."""
     write_kv(k_pool, v_pool, k, v, slot_blocks.long(), slot_offsets.long())

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import write_kv
 from engine.config import ModelConfig
 from engine.rope import RotaryEmbedding
 from kernels import layer_ops
+from kernels.reference import write_kv
 
 EPS = 1e-5
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import decode_attention_reference
-from engine.forward_batch import DecodeBatch
 from kernels.paged_attention import cpu_kernel_available, decode_attention_cpu
+from kernels.reference import decode_attention_reference
 
 
 def _case(seed: int, b: int, heads: int, kv_heads: int, dim: int, block: int, lens: list[int]):
@@ -51,9 +50,7 @@ def test_kernel_compiles_here() -> None:
 def test_kernel_matches_reference(b, heads, kv_heads, dim, block, lens) -> None:
     q, k_pool, v_pool, table, ctx = _case(7, b, heads, kv_heads, dim, block, lens)
     scale = dim**-0.5
-    ref = decode_attention_reference(
-        q, k_pool, v_pool, DecodeBatch(0, table, ctx, max(lens)), scale
-    )
+    ref = decode_attention_reference(q, k_pool, v_pool, table, ctx, scale)
     out = decode_attention_cpu(q, k_pool, v_pool, table, ctx, scale)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -77,7 +74,7 @@ def test_float16_pool_matches_reference_on_the_widened_values(
     widened = decode_attention_cpu(q, k16.float(), v16.float(), table, ctx, scale)
     out = decode_attention_cpu(q, k16, v16, table, ctx, scale)
     torch.testing.assert_close(out, widened, rtol=1e-6, atol=1e-6)
-    ref = decode_attention_reference(q, k16, v16, DecodeBatch(0, table, ctx, max(lens)), scale)
+    ref = decode_attention_reference(q, k16, v16, table, ctx, scale)
     assert ref.dtype == torch.float32
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 

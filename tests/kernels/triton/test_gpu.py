@@ -16,7 +16,6 @@ from kernels.triton.decode_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
 )
-from kernels.triton.kv_blocks import gather_kv_blocks, scatter_kv_blocks
 from kernels.triton.kv_store import store_kv, store_kv_reference
 from tests.kernels.triton.cases import TOLERANCE, blocks_needed, pools, shuffled_tables
 
@@ -58,14 +57,3 @@ def test_store_a_prefill_step_of_8192_tokens() -> None:
     out_k, out_v = k_pool.to(CUDA), v_pool.to(CUDA)
     store_kv(out_k, out_v, k.to(CUDA), v.to(CUDA), blocks.to(CUDA), offsets.to(CUDA))
     assert torch.equal(out_k.cpu(), ref_k) and torch.equal(out_v.cpu(), ref_v)
-
-
-def test_gather_scatter_a_4096_token_request() -> None:
-    g = torch.Generator().manual_seed(2)
-    k_pool, v_pool = (t.to(CUDA) for t in pools(g, 1024, 16, 8, 128, torch.bfloat16))
-    src = torch.randperm(1024, generator=g)[:256].to(CUDA)
-    dst = torch.randperm(1024, generator=g)[:256].to(CUDA)
-    packed = gather_kv_blocks(k_pool, v_pool, src)
-    assert torch.equal(packed, torch.stack((k_pool[src], v_pool[src])))
-    scatter_kv_blocks(packed, k_pool, v_pool, dst)
-    assert torch.equal(k_pool[dst], packed[0]) and torch.equal(v_pool[dst], packed[1])
