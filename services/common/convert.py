@@ -1,4 +1,5 @@
-"""protobuf <-> internal dataclasses, at the edge of every service."""
+"""protobuf <-> internal dataclasses, at the edge of every service: one converter per message
+and direction (the worker RPCs' typed messages are ``services.common.worker_messages``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ from engine.output_processor import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredKind, StructuredOutput
 from engine.top_logprobs import TopLogprobs
-from pdserve.v1 import common_pb2
+from pdserve.v1 import common_pb2, worker_pb2
+from services.common.worker_messages import (
+    GenerateRequest,
+    KVDestination,
+    PrefillPlacement,
+    PrefillReply,
+    PrefillRequest,
+)
 from transfer.handle import KVLayout, MemoryRegionHandle
 
 _FINISH = {
@@ -168,4 +176,133 @@ def usage(out: RequestOutput) -> common_pb2.Usage:
         prompt_tokens=out.num_prompt_tokens,
         completion_tokens=out.num_output_tokens,
         cached_tokens=out.num_cached_tokens,
+    )
+
+
+def _request_id(value: str) -> str:
+    if not value:
+        raise InvalidRequestError("request_id is required")
+    return value
+
+
+def generate_request_from_proto(p: worker_pb2.DecodeGenerateRequest) -> GenerateRequest:
+    """Raises InvalidRequestError on a missing request id, a bad sampling parameter or an
+    empty prompt (the first found, in that order)."""
+    request_id = _request_id(p.request_id)
+    sampling = sampling_from_proto(p.sampling)
+    if not p.prompt_token_ids:
+        raise InvalidRequestError("prompt_token_ids is empty")
+    prefill = None
+    if p.prefill_address:
+        prefill = PrefillPlacement(p.prefill_address, p.prefill_worker_id, p.placement_token)
+    return GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=tuple(p.prompt_token_ids),
+        sampling=sampling,
+        resume_token_ids=tuple(p.resume_token_ids),
+        prefill=prefill,
+        attempt=p.attempt,
+    )
+
+
+def decode_event_to_proto(
+    out: RequestOutput, *, produced_unix_ns: int, kv_transfer_bytes: int, prefill_worker_id: str
+) -> worker_pb2.DecodeEvent:
+    """``kv_transfer_bytes`` and ``prefill_worker_id`` go on the last event only."""
+    ev = worker_pb2.DecodeEvent(
+        token_ids=list(out.new_token_ids),
+        logprobs=list(out.new_logprobs),
+        text=out.text_delta,
+        produced_unix_ns=produced_unix_ns,
+        top_logprobs=[top_logprobs_to_proto(t) for t in out.new_top_logprobs],
+    )
+    if out.finished:
+        ev.finish_reason = finish_to_proto(out.finish_reason)
+        ev.usage.CopyFrom(usage(out))
+        ev.kv_transfer_bytes = kv_transfer_bytes
+        ev.prefill_worker_id = prefill_worker_id
+    return ev
+
+
+def kv_destination_to_proto(d: KVDestination) -> worker_pb2.KVDestination:
+    return worker_pb2.KVDestination(
+        region=handle_to_proto(d.region),
+        block_ids=d.block_ids,
+        num_present_tokens=d.num_present_tokens,
+    )
+
+
+def kv_destination_from_proto(p: worker_pb2.KVDestination) -> KVDestination:
+    """Raises TransferError on a malformed region handle (the blocks are checked against
+    the request by its reader, ``services.prefill.server``)."""
+    return KVDestination(handle_from_proto(p.region), tuple(p.block_ids), p.num_present_tokens)
+
+
+def prefill_request_to_proto(r: PrefillRequest) -> worker_pb2.PrefillRequest:
+    return worker_pb2.PrefillRequest(
+        request_id=r.request_id,
+        prompt_token_ids=r.prompt_token_ids,
+        sampling=sampling_to_proto(r.sampling),
+        deadline_ms=int(r.deadline_s * 1000),
+        decode_worker_id=r.decode_worker_id,
+        placement_token=r.placement_token,
+        attempt=r.attempt,
+        kv_destination=kv_destination_to_proto(r.kv_destination),
+        resume_token_ids=r.resume_token_ids,
+    )
+
+
+def prefill_request_from_proto(p: worker_pb2.PrefillRequest) -> PrefillRequest:
+    """Raises InvalidRequestError on a missing request id or a bad sampling parameter,
+    TransferError on a malformed region handle (the first found, in that order)."""
+    request_id = _request_id(p.request_id)
+    sampling = sampling_from_proto(p.sampling)
+    return PrefillRequest(
+        request_id=request_id,
+        prompt_token_ids=tuple(p.prompt_token_ids),
+        sampling=sampling,
+        kv_destination=kv_destination_from_proto(p.kv_destination),
+        deadline_s=p.deadline_ms / 1000,
+        decode_worker_id=p.decode_worker_id,
+        placement_token=p.placement_token,
+        attempt=p.attempt,
+        resume_token_ids=tuple(p.resume_token_ids),
+    )
+
+
+def prefill_reply_to_proto(r: PrefillReply) -> worker_pb2.PrefillReply:
+    p = worker_pb2.PrefillReply(
+        request_id=r.request_id,
+        first_token_id=r.first_token_id,
+        first_token_logprob=r.first_token_logprob,
+        num_cached_tokens=r.num_cached_tokens,
+        num_computed_tokens=r.num_computed_tokens,
+        kv_transfer_bytes=r.kv_transfer_bytes,
+        queue_seconds=r.queue_seconds,
+        compute_seconds=r.compute_seconds,
+        transfer_seconds=r.transfer_seconds,
+        transfer_tail_seconds=r.transfer_tail_seconds,
+    )
+    if r.first_token_top_logprobs is not None:
+        p.first_token_top_logprobs.CopyFrom(top_logprobs_to_proto(r.first_token_top_logprobs))
+    return p
+
+
+def prefill_reply_from_proto(p: worker_pb2.PrefillReply) -> PrefillReply:
+    """Raises InvalidRequestError on top logprobs whose two lists differ in length."""
+    top = None
+    if p.HasField("first_token_top_logprobs"):
+        top = top_logprobs_from_proto(p.first_token_top_logprobs)
+    return PrefillReply(
+        request_id=p.request_id,
+        first_token_id=p.first_token_id,
+        first_token_logprob=p.first_token_logprob,
+        first_token_top_logprobs=top,
+        num_cached_tokens=p.num_cached_tokens,
+        num_computed_tokens=p.num_computed_tokens,
+        kv_transfer_bytes=p.kv_transfer_bytes,
+        queue_seconds=p.queue_seconds,
+        compute_seconds=p.compute_seconds,
+        transfer_seconds=p.transfer_seconds,
+        transfer_tail_seconds=p.transfer_tail_seconds,
     )

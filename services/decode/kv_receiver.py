@@ -22,7 +22,6 @@ import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -31,9 +30,9 @@ from engine.async_engine import AsyncEngine
 from engine.llm_engine import Reservation
 from engine.output_processor import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.top_logprobs import TopLogprobs
 from services.common import metrics
 from services.common.background import Background
+from services.common.worker_messages import PrefillReply
 
 log = structlog.get_logger(__name__)
 
@@ -43,18 +42,6 @@ log = structlog.get_logger(__name__)
 # this long after the deadline counted from the send: the delay to receipt, and the bytes
 # of a closed connection still being written, land well within it.
 LEASE_GRACE_S = 2.0
-
-
-@dataclass(frozen=True)
-class Prefilled:
-    """A prefill worker's answer: the blocks hold the KV; the first token and what it
-    sent."""
-
-    first_token_id: int
-    first_logprob: float
-    num_cached_tokens: int  # the prompt tokens the request did not compute
-    kv_bytes: int
-    first_top_logprobs: TopLogprobs | None = None  # when the request asks for them
 
 
 class PrefillFailed(Exception):
@@ -67,7 +54,7 @@ class PrefillFailed(Exception):
         self.fenced = fenced
 
 
-Ask = Callable[[Reservation], Awaitable[Prefilled]]
+Ask = Callable[[Reservation], Awaitable[PrefillReply]]
 
 
 class KVReceiver:
@@ -89,7 +76,7 @@ class KVReceiver:
         resumed: Sequence[int],
         params: SamplingParams,
         ask: Ask,
-    ) -> tuple[AsyncIterator[RequestOutput], Prefilled]:
+    ) -> tuple[AsyncIterator[RequestOutput], PrefillReply]:
         """Reserve, have ``ask`` fill the blocks, join the batch: the request's stream and
         the prefill's answer. ``PrefillFailed`` (and any other error) leaves the blocks
         fenced or free, never given out under a writer that may still write."""
@@ -113,9 +100,9 @@ class KVReceiver:
         stream = self.aengine.join_prefilled(
             request_id,
             done.first_token_id,
-            done.first_logprob,
-            num_cached_tokens=done.num_cached_tokens,
-            first_top_logprobs=done.first_top_logprobs,
+            done.first_token_logprob,
+            num_cached_tokens=done.num_cached_tokens,  # usage: what the request did not compute
+            first_top_logprobs=done.first_token_top_logprobs,
         )
         return stream, done
 

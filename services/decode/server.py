@@ -14,7 +14,10 @@ A migrated request (``resume_token_ids``) has prompt + those tokens prefilled th
 and continues after them.
 
 The reservation, the Prefill call's outcome and the KV fence are ``KVReceiver``'s
-(``services/decode/kv_receiver.py``); this module converts protobuf at the edge.
+(``services/decode/kv_receiver.py``). ``Generate`` is the edge: it converts the request
+into a typed ``GenerateRequest`` and each output into a ``DecodeEvent``
+(``services.common.convert``), and maps errors to statuses; the Prefill call it makes is
+typed too (``services.common.worker_messages``) up to its stub.
 """
 
 from __future__ import annotations
@@ -30,22 +33,26 @@ from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
 from engine.llm_engine import Reservation
 from engine.output_processor import RequestOutput
-from engine.sampling_params import SamplingParams
 from kvstore.prefix import loaded_prefix
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common import cluster_auth, metrics
 from services.common.channel_pool import ChannelPool
 from services.common.convert import (
-    finish_to_proto,
-    handle_to_proto,
-    sampling_from_proto,
-    top_logprobs_from_proto,
-    top_logprobs_to_proto,
-    usage,
+    decode_event_to_proto,
+    generate_request_from_proto,
+    prefill_reply_from_proto,
+    prefill_request_to_proto,
 )
 from services.common.grpc_errors import FAILED_WORKER_KEY, abort_with, kv_fenced, status_for
 from services.common.kv_store import StoreLink
-from services.decode.kv_receiver import KVReceiver, Prefilled, PrefillFailed
+from services.common.worker_messages import (
+    GenerateRequest,
+    KVDestination,
+    PrefillPlacement,
+    PrefillReply,
+    PrefillRequest,
+)
+from services.decode.kv_receiver import KVReceiver, PrefillFailed
 from transfer.handle import MemoryRegionHandle
 
 log = structlog.get_logger(__name__)
@@ -98,154 +105,130 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self, request: worker_pb2.DecodeGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.DecodeEvent]:
         arrival = time.monotonic()
-        rid = request.request_id
-        structlog.contextvars.bind_contextvars(request_id=rid)
+        structlog.contextvars.bind_contextvars(request_id=request.request_id)
         self.inflight += 1
         try:
-            async for ev in self._generate(request, context, arrival):
-                yield ev
+            try:
+                req = generate_request_from_proto(request)
+            except InvalidRequestError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                return
+            # Prefilled here when asked so, or on a colocated worker (no region to write).
+            prefill = req.prefill if self.region is not None else None
+            prefill_id = prefill.worker_id if prefill is not None else ""
+            try:
+                if prefill is not None:
+                    stream, kv_bytes = await self._remote_prefill(req, prefill)
+                else:
+                    stream, kv_bytes = self._local(req), 0
+                async for out in self._metered(req, stream, arrival, local=prefill is None):
+                    yield decode_event_to_proto(
+                        out,
+                        produced_unix_ns=time.time_ns(),
+                        kv_transfer_bytes=kv_bytes,
+                        prefill_worker_id=prefill_id,
+                    )
+            except asyncio.CancelledError:
+                raise  # client went away: AsyncEngine aborts the request and frees its blocks
+            except UpstreamError as e:
+                metrics.ERRORS.labels(self.role, e.code.name).inc()
+                if e.failed_worker_id:
+                    context.set_trailing_metadata(((FAILED_WORKER_KEY, e.failed_worker_id),))
+                await context.abort(e.code, e.message)
+            except Exception as e:
+                metrics.ERRORS.labels(self.role, status_for(e).name).inc()
+                if status_for(e) is grpc.StatusCode.INTERNAL:
+                    log.exception("generate_failed")
+                await abort_with(context, e)
         finally:
             self.inflight -= 1
             structlog.contextvars.unbind_contextvars("request_id")
 
-    async def _generate(
+    async def _metered(
         self,
-        request: worker_pb2.DecodeGenerateRequest,
-        context: grpc.aio.ServicerContext,
+        req: GenerateRequest,
+        stream: AsyncIterator[RequestOutput],
         arrival: float,
-    ) -> AsyncIterator[worker_pb2.DecodeEvent]:
-        rid = request.request_id
-        try:
-            if not rid:
-                raise InvalidRequestError("request_id is required")
-            params = sampling_from_proto(request.sampling)
-            ids = list(request.prompt_token_ids)
-            if not ids:
-                raise InvalidRequestError("prompt_token_ids is empty")
-        except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            return
-        resumed = list(request.resume_token_ids)
-
-        remote = bool(request.prefill_address) and self.region is not None
-        kv_bytes = 0
-        try:
-            if remote:
-                stream, kv_bytes = await self._remote_prefill(request, ids, resumed, params)
-            else:
-                stream = self._local(rid, ids, params, resumed)
-            first = True
-            last = arrival
-            async for out in stream:
-                now = time.monotonic()
-                if first:
-                    metrics.TTFT.labels(self.role).observe(now - arrival)
-                    first = False
-                    if not remote:  # a remote prefill's hit is counted at its reservation
-                        self._count_local_prefill(out, len(ids) + len(resumed))
-                else:
-                    metrics.ITL.labels(self.role).observe(now - last)
-                last = now
-                yield self._event(out, kv_bytes, request.prefill_worker_id if remote else "")
-                if out.finished:
-                    metrics.E2E.labels(self.role).observe(now - arrival)
-                    metrics.REQUESTS.labels(self.role, out.finish_reason or "").inc()
-        except asyncio.CancelledError:
-            raise  # client went away: AsyncEngine aborts the request and frees its blocks
-        except UpstreamError as e:
-            metrics.ERRORS.labels(self.role, e.code.name).inc()
-            if e.failed_worker_id:
-                context.set_trailing_metadata(((FAILED_WORKER_KEY, e.failed_worker_id),))
-            await context.abort(e.code, e.message)
-        except Exception as e:
-            metrics.ERRORS.labels(self.role, status_for(e).name).inc()
-            if status_for(e) is grpc.StatusCode.INTERNAL:
-                log.exception("generate_failed")
-            await abort_with(context, e)
-
-    async def _local(
-        self, rid: str, ids: list[int], params: SamplingParams, resumed: list[int]
+        *,
+        local: bool,
     ) -> AsyncIterator[RequestOutput]:
+        """``stream``, its latencies and outcome observed; ``local``: prefilled here (a
+        remote prefill's cache hit is counted at its reservation)."""
+        first = True
+        last = arrival
+        async for out in stream:
+            now = time.monotonic()
+            if first:
+                metrics.TTFT.labels(self.role).observe(now - arrival)
+                first = False
+                if local:
+                    num_tokens = len(req.prompt_token_ids) + len(req.resume_token_ids)
+                    self._count_local_prefill(out, num_tokens)
+            else:
+                metrics.ITL.labels(self.role).observe(now - last)
+            last = now
+            yield out
+            if out.finished:
+                metrics.E2E.labels(self.role).observe(now - arrival)
+                metrics.REQUESTS.labels(self.role, out.finish_reason or "").inc()
+
+    async def _local(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Prefill here (the prefix the KV store holds loaded first), then decode."""
         link = self.store
         store = link.store if link is not None else None
         loading = link.loading() if link is not None else {"timeout_s": 1.0}
+        ids, resumed = list(req.prompt_token_ids), list(req.resume_token_ids)
         async with loaded_prefix(self.aengine, store, [*ids, *resumed], **loading):
-            async for out in self.aengine.generate(rid, ids, params, resumed):
+            async for out in self.aengine.generate(req.request_id, ids, req.sampling, resumed):
                 yield out
 
     async def _remote_prefill(
-        self,
-        request: worker_pb2.DecodeGenerateRequest,
-        ids: list[int],
-        resumed: list[int],
-        params: SamplingParams,
+        self, req: GenerateRequest, prefill: PrefillPlacement
     ) -> tuple[AsyncIterator[RequestOutput], int]:
+        """Reserve blocks and have ``prefill`` fill them (``KVReceiver``): the request's
+        stream and the KV bytes sent; ``UpstreamError`` when the Prefill call failed."""
         region = self.region
         assert region is not None
 
-        async def ask(reservation: Reservation) -> Prefilled:
-            preq = worker_pb2.PrefillRequest(
-                request_id=request.request_id,
-                prompt_token_ids=ids,
-                resume_token_ids=resumed,
-                sampling=request.sampling,
-                deadline_ms=int(self.prefill_deadline_s * 1000),
-                decode_worker_id=self.worker_id,
-                placement_token=request.placement_token,
-                attempt=request.attempt,
-                kv_destination=worker_pb2.KVDestination(
-                    region=handle_to_proto(region),
-                    block_ids=reservation.block_ids,
-                    num_present_tokens=reservation.num_present_tokens,
+        async def ask(reservation: Reservation) -> PrefillReply:
+            message = PrefillRequest(
+                request_id=req.request_id,
+                prompt_token_ids=req.prompt_token_ids,
+                sampling=req.sampling,
+                kv_destination=KVDestination(
+                    region, reservation.block_ids, reservation.num_present_tokens
                 ),
+                deadline_s=self.prefill_deadline_s,
+                decode_worker_id=self.worker_id,
+                placement_token=prefill.placement_token,
+                attempt=req.attempt,
+                resume_token_ids=req.resume_token_ids,
             )
             try:
-                async with self._channels.lease(request.prefill_address) as channel:
+                async with self._channels.lease(prefill.address) as channel:
                     stub = worker_pb2_grpc.PrefillWorkerStub(channel)
-                    reply = await stub.Prefill(preq, timeout=self.prefill_deadline_s)
+                    reply = await stub.Prefill(
+                        prefill_request_to_proto(message), timeout=self.prefill_deadline_s
+                    )
             except grpc.aio.AioRpcError as e:
                 raise PrefillFailed(e, fenced=kv_fenced(e)) from e
-            return Prefilled(
-                reply.first_token_id,
-                reply.first_token_logprob,
-                reply.num_cached_tokens,  # usage: what the request did not compute
-                reply.kv_transfer_bytes,
-                top_logprobs_from_proto(reply.first_token_top_logprobs)
-                if reply.HasField("first_token_top_logprobs")
-                else None,
-            )
+            return prefill_reply_from_proto(reply)
 
         try:
             stream, done = await self.receiver.receive(
-                request.request_id, ids, resumed, params, ask
+                req.request_id, req.prompt_token_ids, req.resume_token_ids, req.sampling, ask
             )
         except PrefillFailed as e:
             call = e.cause
             assert isinstance(call, grpc.aio.AioRpcError)
             raise UpstreamError(
-                call.code(), f"prefill failed: {call.details()}", request.prefill_worker_id
+                call.code(), f"prefill failed: {call.details()}", prefill.worker_id
             ) from e
-        self.kv_bytes_received += done.kv_bytes
-        metrics.TRANSFER_BYTES.labels(self.role, region.transport).inc(done.kv_bytes)
-        return stream, done.kv_bytes
+        self.kv_bytes_received += done.kv_transfer_bytes
+        metrics.TRANSFER_BYTES.labels(self.role, region.transport).inc(done.kv_transfer_bytes)
+        return stream, done.kv_transfer_bytes
 
     def _count_local_prefill(self, first: RequestOutput, num_tokens: int) -> None:
         """Count a prompt (+ resumed tokens) prefilled here, by its first event."""
         metrics.PROMPT_TOKENS_CACHED.labels(self.role).inc(first.num_cached_tokens)
         metrics.PROMPT_TOKENS_COMPUTED.labels(self.role).inc(num_tokens - first.num_cached_tokens)
-
-    def _event(self, out: RequestOutput, kv_bytes: int, prefill_id: str) -> worker_pb2.DecodeEvent:
-        ev = worker_pb2.DecodeEvent(
-            token_ids=list(out.new_token_ids),
-            logprobs=list(out.new_logprobs),
-            text=out.text_delta,
-            produced_unix_ns=time.time_ns(),
-            top_logprobs=[top_logprobs_to_proto(t) for t in out.new_top_logprobs],
-        )
-        if out.finished:
-            ev.finish_reason = finish_to_proto(out.finish_reason)
-            ev.usage.CopyFrom(usage(out))
-            ev.kv_transfer_bytes = kv_bytes
-            ev.prefill_worker_id = prefill_id
-        return ev

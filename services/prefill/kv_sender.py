@@ -32,9 +32,10 @@ from kvstore.prefix import PrefixLoad, loaded_prefix
 from services.common import metrics
 from services.common.background import Background
 from services.common.kv_store import StoreLink
+from services.common.worker_messages import KVDestination
 from transfer.base import KVSource, TransferJob, TransferResult, Transport
 from transfer.errors import TransferError
-from transfer.handle import KVLayout, MemoryRegionHandle
+from transfer.handle import KVLayout
 
 log = structlog.get_logger(__name__)
 
@@ -44,16 +45,6 @@ ROLE = "prefill"
 # deadline, and a failed job drains for at most transfer.writer.DRAIN_TIMEOUT_S); later, the
 # writer is taken for stuck.
 OUTCOME_GRACE_S = 5.0
-
-
-@dataclass(frozen=True)
-class KVDestination:
-    """Where a request's KV goes: a decode worker's region and the blocks it reserved there,
-    of which the leading ``present_blocks`` already hold their KV (they are not written)."""
-
-    handle: MemoryRegionHandle
-    block_ids: tuple[int, ...]
-    present_blocks: int
 
 
 @dataclass(frozen=True)
@@ -127,13 +118,13 @@ class KVSender:
     ) -> Sent:
         """Compute the prompt (+ ``resumed`` tokens) and deliver its KV to ``dest`` by
         ``deadline`` (``time.monotonic()``); ``SendFailed`` otherwise."""
-        transport = self.transport(dest.handle.transport)
+        transport = self.transport(dest.region.transport)
         source = self._sources[transport.source_on_device]
         try:
             # Opening a path may dial the destination (a tcp connect): off the event loop,
             # so one unreachable decode worker cannot stall every other call here.
-            writer = transport.open_writer(dest.handle, source) or await asyncio.to_thread(
-                transport.connect, dest.handle, source
+            writer = transport.open_writer(dest.region, source) or await asyncio.to_thread(
+                transport.connect, dest.region, source
             )
         except TransferError as e:
             raise SendFailed(e, fenced=True) from e

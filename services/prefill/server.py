@@ -10,7 +10,8 @@ soon as its KV is written -> transfer confirmed in the destination -> reply. A c
 decode worker cancels (its client left) stops its prompt before the next chunk, aborts the
 transfer and releases the blocks once the writer stopped.
 The transfer and the local blocks are ``KVSender``'s (``services/prefill/kv_sender.py``);
-this module converts protobuf at the edge and maps outcomes to replies and statuses.
+``Prefill`` is the edge: it converts the request into a typed ``PrefillRequest`` and the
+typed reply back (``services.common.convert``), and maps outcomes to statuses.
 
 Partial transfer: the destination's leading ``num_present_tokens`` (the decode worker's own
 cached prefix) are not written, only the blocks after them. The prompt is still computed
@@ -35,15 +36,12 @@ from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common import metrics
-from services.common.convert import (
-    handle_from_proto,
-    sampling_from_proto,
-    top_logprobs_to_proto,
-)
+from services.common.convert import prefill_reply_to_proto, prefill_request_from_proto
 from services.common.grpc_errors import KV_FENCED, abort_with
 from services.common.kv_store import StoreLink
 from services.common.placement_token import PlacementTokenError, VerifyKeys, verify_write
-from services.prefill.kv_sender import ROLE, KVDestination, KVSender, SendFailed
+from services.common.worker_messages import KVDestination, PrefillReply, PrefillRequest
+from services.prefill.kv_sender import ROLE, KVSender, SendFailed
 from transfer.base import Transport
 from transfer.errors import TransferError
 from transfer.plan import first_repeat
@@ -84,90 +82,91 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillReply:
         arrival = time.monotonic()
-        rid = request.request_id
-        structlog.contextvars.bind_contextvars(request_id=rid)
+        structlog.contextvars.bind_contextvars(request_id=request.request_id)
         self.inflight += 1
         try:
-            return await self._prefill(request, context, arrival)
-        finally:
-            self.inflight -= 1
-            structlog.contextvars.unbind_contextvars("request_id")
-
-    async def _prefill(
-        self,
-        request: worker_pb2.PrefillRequest,
-        context: grpc.aio.ServicerContext,
-        arrival: float,
-    ) -> worker_pb2.PrefillReply:
-        rid = request.request_id
-        ids = list(request.prompt_token_ids)
-        resumed = list(request.resume_token_ids)
-        try:
-            if not rid:
-                raise InvalidRequestError("request_id is required")
-            params = sampling_from_proto(request.sampling)
-            need = self.aengine.engine.blocks.blocks_needed(len(ids) + len(resumed))
-            dest = _destination(request.kv_destination, need, len(ids) + len(resumed))
-            self.sender.transport(dest.handle.transport)
-        except (InvalidRequestError, TransferError) as e:
-            await _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-
-        if self.verify_keys is not None:
-            handle = dest.handle
             try:
-                verify_write(
-                    self.verify_keys.keys(), request.placement_token, request_id=rid,
-                    attempt=request.attempt, decode_worker_id=request.decode_worker_id,
-                    prefill_worker_id=self.worker_id, transport=handle.transport,
-                    address=handle.address, region_id=handle.region_id,
-                    now_unix_s=time.time(),
-                )  # fmt: skip
+                req = prefill_request_from_proto(request)
+                self._check(req)
+            except (InvalidRequestError, TransferError) as e:
+                await _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            try:
+                reply = await self._prefill(req, arrival)
             except PlacementTokenError as e:
                 log.warning("kv_destination_refused", reason=str(e))
                 denied = grpc.StatusCode.PERMISSION_DENIED
                 await context.abort(denied, f"KV destination refused: {e}")
                 raise AssertionError("unreachable") from e
-        budget = request.deadline_ms / 1000 if request.deadline_ms else DEFAULT_DEADLINE_S
-        try:
-            sent = await self.sender.send(
-                rid, ids, resumed, params, dest, arrival=arrival, deadline=arrival + budget
-            )
-        except SendFailed as e:
-            await self._fail(context, e.cause, fenced=e.fenced)
+            except SendFailed as e:
+                await self._fail(context, e.cause, fenced=e.fenced)
+            return prefill_reply_to_proto(reply)
+        finally:
+            self.inflight -= 1
+            structlog.contextvars.unbind_contextvars("request_id")
+
+    def _check(self, req: PrefillRequest) -> None:
+        """``InvalidRequestError`` naming the first thing wrong with the request's
+        destination (``_check_destination``) or its transport (not served here)."""
+        num_tokens = len(req.prompt_token_ids) + len(req.resume_token_ids)
+        need = self.aengine.engine.blocks.blocks_needed(num_tokens)
+        _check_destination(req.kv_destination, need, num_tokens)
+        self.sender.transport(req.kv_destination.region.transport)
+
+    async def _prefill(self, req: PrefillRequest, arrival: float) -> PrefillReply:
+        """Compute the prompt and deliver its KV: ``PlacementTokenError`` when the placement
+        token does not allow writing into the destination (nothing written), ``SendFailed``
+        when the prompt or its transfer failed."""
+        dest = req.kv_destination
+        if self.verify_keys is not None:
+            verify_write(
+                self.verify_keys.keys(), req.placement_token, request_id=req.request_id,
+                attempt=req.attempt, decode_worker_id=req.decode_worker_id,
+                prefill_worker_id=self.worker_id, transport=dest.region.transport,
+                address=dest.region.address, region_id=dest.region.region_id,
+                now_unix_s=time.time(),
+            )  # fmt: skip
+        budget = req.deadline_s or DEFAULT_DEADLINE_S
+        sent = await self.sender.send(
+            req.request_id,
+            req.prompt_token_ids,
+            req.resume_token_ids,
+            req.sampling,
+            dest,
+            arrival=arrival,
+            deadline=arrival + budget,
+        )
         out, result = sent.output, sent.transfer
-        computed = sent.num_tokens - out.num_cached_tokens
+        transport = dest.region.transport
         metrics.PROMPT_TOKENS_CACHED.labels(ROLE).inc(out.num_cached_tokens)
-        metrics.TRANSFER_BYTES.labels(ROLE, dest.handle.transport).inc(result.bytes)
-        metrics.TRANSFER_SECONDS.labels(ROLE, dest.handle.transport).observe(result.seconds)
+        metrics.TRANSFER_BYTES.labels(ROLE, transport).inc(result.bytes)
+        metrics.TRANSFER_SECONDS.labels(ROLE, transport).observe(result.seconds)
         overlap = result.present_at_last_layer / result.bytes if result.bytes else 1.0
-        metrics.KV_OVERLAP.labels(ROLE, dest.handle.transport).observe(overlap)
+        metrics.KV_OVERLAP.labels(ROLE, transport).observe(overlap)
         log.info(
             "prefilled",
-            prompt_tokens=len(ids),
+            prompt_tokens=len(req.prompt_token_ids),
             cached_tokens=out.num_cached_tokens,
             loaded_tokens=sent.loaded.tokens,
             load_s=round(sent.loaded.seconds, 4),
-            present_tokens=dest.present_blocks * dest.handle.layout.block_size,
+            present_tokens=dest.num_present_tokens,
             kv_bytes=result.bytes,
             kv_present_at_compute_end=round(overlap, 3),
             compute_s=round(sent.compute_seconds, 4),
             transfer_tail_s=round(sent.tail_seconds, 4),
         )
-        reply = worker_pb2.PrefillReply(
-            request_id=rid,
+        return PrefillReply(
+            request_id=req.request_id,
             first_token_id=out.token_id,
             first_token_logprob=out.logprob,
+            first_token_top_logprobs=out.top_logprobs,
             num_cached_tokens=out.num_cached_tokens,
-            num_computed_tokens=computed,
+            num_computed_tokens=sent.num_tokens - out.num_cached_tokens,
             kv_transfer_bytes=result.bytes,
             queue_seconds=sent.queue_seconds,
             compute_seconds=sent.compute_seconds,
             transfer_seconds=result.seconds,
             transfer_tail_seconds=sent.tail_seconds,
         )
-        if out.top_logprobs is not None:
-            reply.first_token_top_logprobs.CopyFrom(top_logprobs_to_proto(out.top_logprobs))
-        return reply
 
     async def _fail(
         self, context: grpc.aio.ServicerContext, e: BaseException, *, fenced: bool
@@ -179,35 +178,31 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         raise AssertionError("unreachable") from e
 
 
-def _destination(dest: worker_pb2.KVDestination, need: int, num_tokens: int) -> KVDestination:
+def _check_destination(dest: KVDestination, need: int, num_tokens: int) -> None:
     """A request's ``kv_destination`` checked against the ``need`` blocks its ``num_tokens``
-    prompt + resumed tokens take; ``InvalidRequestError`` / ``TransferError`` naming the
-    first thing wrong."""
-    handle = handle_from_proto(dest.region)
-    block_ids = tuple(dest.block_ids)
-    outside = [b for b in block_ids if b >= handle.layout.num_blocks]
+    prompt + resumed tokens take; ``InvalidRequestError`` naming the first thing wrong."""
+    num_blocks = dest.region.layout.num_blocks
+    outside = [b for b in dest.block_ids if b >= num_blocks]
     if outside:
         raise InvalidRequestError(
-            f"kv_destination block id {outside[0]} outside the region's "
-            f"{handle.layout.num_blocks} blocks"
+            f"kv_destination block id {outside[0]} outside the region's {num_blocks} blocks"
         )
-    twice = first_repeat(block_ids)
+    twice = first_repeat(dest.block_ids)
     if twice is not None:
         raise InvalidRequestError(f"kv_destination names block {twice} twice")
-    if len(block_ids) != need:
+    if len(dest.block_ids) != need:
         raise InvalidRequestError(
-            f"kv_destination has {len(block_ids)} blocks; {num_tokens} prompt + resumed "
+            f"kv_destination has {len(dest.block_ids)} blocks; {num_tokens} prompt + resumed "
             f"tokens need {need}"
         )
     present = dest.num_present_tokens
-    block_size = handle.layout.block_size
+    block_size = dest.region.layout.block_size
     if present % block_size or present >= num_tokens:
         raise InvalidRequestError(
             f"kv_destination.num_present_tokens is {present}: it must be a multiple of the "
             f"region's block size ({block_size}) and less than the {num_tokens} prompt + "
             f"resumed tokens (the last token's block is always written)"
         )
-    return KVDestination(handle, block_ids, present // block_size)
 
 
 async def _refuse(

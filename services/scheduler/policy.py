@@ -323,14 +323,41 @@ def place(snapshot: ClusterSnapshot, req: PlaceRequest) -> Placement | Rejection
 
     Pure: the result depends only on the arguments.
     """
+    admitted = _admit(snapshot, req)
+    if isinstance(admitted, Rejection):
+        return admitted
+    usable, decoders = admitted
+    with_room = [w for w in decoders if has_decode_room(w, req, snapshot.limits)]
+    if not with_room:
+        return _reject(
+            snapshot.limits, RejectReason.CAPACITY, "no decode worker has free KV blocks or slots"
+        )
+    cache = _CacheView(
+        req,
+        prefix_overlaps(usable, req, snapshot.prefix_index),
+        snapshot.routing,
+        stored_runs(usable, req, snapshot),
+    )
+    return _pair(_decode_order(with_room, snapshot, cache), usable, snapshot, req, cache)
+
+
+def _reject(
+    limits: AdmissionLimits, reason: RejectReason, message: str, retry: bool = True
+) -> Rejection:
+    return Rejection(reason, message, limits.retry_after_ms if retry else 0)
+
+
+def _admit(
+    snapshot: ClusterSnapshot, req: PlaceRequest
+) -> tuple[list[WorkerView], list[WorkerView]] | Rejection:
+    """Admission checks 1-4 (module docstring): the usable workers (live, SERVING, not
+    excluded, serving the model) and the decode-capable ones among them, or the rejection."""
     limits = snapshot.limits
-
-    def reject(reason: RejectReason, message: str, retry: bool = True) -> Rejection:
-        return Rejection(reason, message, limits.retry_after_ms if retry else 0)
-
     serving_model = [w for w in snapshot.workers if req.model in ("", w.info.model)]
     if not serving_model and snapshot.workers:
-        return reject(RejectReason.UNKNOWN_MODEL, f"no worker serves model {req.model!r}", False)
+        return _reject(
+            limits, RejectReason.UNKNOWN_MODEL, f"no worker serves model {req.model!r}", retry=False
+        )
 
     usable = [
         w
@@ -341,73 +368,71 @@ def place(snapshot: ClusterSnapshot, req: PlaceRequest) -> Placement | Rejection
     ]
     decoders = [w for w in usable if w.info.role.decodes]
     if not decoders:
-        return reject(
-            RejectReason.NO_LIVE_WORKER,
-            "no live decode-capable worker (dead, draining or excluded)",
-        )
+        reason = "no live decode-capable worker (dead, draining or excluded)"
+        return _reject(limits, RejectReason.NO_LIVE_WORKER, reason)
 
     inflight = sum(w.active_sequences for w in decoders)
     if inflight >= limits.max_inflight:
-        return reject(
-            RejectReason.INFLIGHT_CAP, f"{inflight} requests in flight (cap {limits.max_inflight})"
-        )
+        reason = f"{inflight} requests in flight (cap {limits.max_inflight})"
+        return _reject(limits, RejectReason.INFLIGHT_CAP, reason)
 
     if not any(_ever_fits_decode(w, req) for w in decoders):
-        return reject(
+        return _reject(
+            limits,
             RejectReason.NEVER_FITS,
             f"prompt_tokens + max_tokens = {req.total_tokens} exceeds the context or KV pool "
             "of every decode worker",
             retry=False,
         )
+    return usable, decoders
 
-    cache = _CacheView(
-        req,
-        prefix_overlaps(usable, req, snapshot.prefix_index),
-        snapshot.routing,
-        stored_runs(usable, req, snapshot),
-    )
-    with_room = [w for w in decoders if has_decode_room(w, req, limits)]
-    if not with_room:
-        return reject(RejectReason.CAPACITY, "no decode worker has free KV blocks or slots")
-    with_room = _decode_order(with_room, snapshot, cache)
 
+def _pair(
+    decoders: list[WorkerView],
+    usable: list[WorkerView],
+    snapshot: ClusterSnapshot,
+    req: PlaceRequest,
+    cache: _CacheView,
+) -> Placement | Rejection:
+    """The first of ``decoders`` (with room, best first) that prefills the prompt itself
+    or has a compatible prefill worker with room (admission check 6, module docstring)."""
+    limits = snapshot.limits
     prefillers = [
         w
         for w in usable
         if w.info.role is Role.PREFILL and req.prompt_tokens <= w.info.capacity.max_model_len
     ]
-
-    def local(decode: WorkerView, mode: PrefillMode) -> Placement:
-        return Placement(
-            request_id=req.request_id,
-            attempt=req.attempt,
-            decode=decode.info,
-            prefill=None,
-            mode=mode,
-            expected_cached_tokens=cache.reused(decode),
-            decode_kv_blocks=decode_blocks_needed(decode, req),
-        )
-
     limit = limits.local_prefill_max_tokens
-    for decode in with_room:
+    for decode in decoders:
         if decode.info.role is Role.COLOCATED:
-            return local(decode, PrefillMode.LOCAL_COLOCATED)
+            return _placement(req, cache, decode, PrefillMode.LOCAL_COLOCATED)
         suffix = cache.uncached(decode)
         if suffix <= limit and decode.queued_prompt_tokens + suffix <= limit:
-            return local(decode, PrefillMode.LOCAL_SHORT_PROMPT)
+            return _placement(req, cache, decode, PrefillMode.LOCAL_SHORT_PROMPT)
         compatible = [p for p in prefillers if transports_compatible(p, decode)]
         if not compatible:
-            return local(decode, PrefillMode.LOCAL_FALLBACK)
+            return _placement(req, cache, decode, PrefillMode.LOCAL_FALLBACK)
         ready = [p for p in compatible if has_prefill_room(p, req, limits)]
         if ready:
             prefill = _choose_prefill(ready, snapshot, cache)
-            return Placement(
-                request_id=req.request_id,
-                attempt=req.attempt,
-                decode=decode.info,
-                prefill=prefill.info,
-                mode=PrefillMode.DISAGGREGATED,
-                expected_cached_tokens=cache.reused(prefill),
-                decode_kv_blocks=decode_blocks_needed(decode, req),
-            )
-    return reject(RejectReason.CAPACITY, "every compatible prefill worker's queue is full")
+            return _placement(req, cache, decode, PrefillMode.DISAGGREGATED, prefill)
+    return _reject(limits, RejectReason.CAPACITY, "every compatible prefill worker's queue is full")
+
+
+def _placement(
+    req: PlaceRequest,
+    cache: _CacheView,
+    decode: WorkerView,
+    mode: PrefillMode,
+    prefill: WorkerView | None = None,
+) -> Placement:
+    """``req`` on ``decode``, prefilled by ``prefill`` (None: by ``decode`` itself)."""
+    return Placement(
+        request_id=req.request_id,
+        attempt=req.attempt,
+        decode=decode.info,
+        prefill=prefill.info if prefill is not None else None,
+        mode=mode,
+        expected_cached_tokens=cache.reused(prefill if prefill is not None else decode),
+        decode_kv_blocks=decode_blocks_needed(decode, req),
+    )
