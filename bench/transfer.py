@@ -1091,12 +1091,15 @@ async def _hop_async(
     from engine.async_engine import AsyncEngine
     from engine.llm_engine import EngineConfig, LLMEngine
     from pdserve.v1 import gateway_pb2_grpc, worker_pb2_grpc
+    from services.common.tuning import Tuning
 
     engine = await asyncio.to_thread(
         LLMEngine, EngineConfig(num_threads=1, kv_cache_bytes=HOP_KV_MIB << 20)
     )
-    # The in-process engine's thread computes where the workers' engine threads do.
-    aengine = AsyncEngine(engine, cpus=engine_cpus)
+    # The in-process engine's thread computes where, and waits as, the workers' engine
+    # threads do.
+    cpus = None if engine_cpus is None else frozenset(engine_cpus)
+    aengine = AsyncEngine(engine, **Tuning(engine_cpus=cpus).engine_options())
     aengine.start()
     streams: dict[str, Callable[[str, list[int], int], Any]] = {
         "in-process AsyncEngine": lambda r, i, n: _stream_inprocess(aengine, r, i, n)
