@@ -33,11 +33,8 @@ With 2+ cores this process (with its Transfer Engine's threads) runs on the firs
 four peers on the second (``--no-transfer-pin`` leaves them floating): the socket sender and
 its sink, and a transport's writer and its receiver, never take turns on one core (on 2
 cores that made the small sizes' medians swing from run to run).
-The raw socket and the tcp transport's connection send with the same TCP congestion control,
-``--tcp-congestion`` (default ``reno``; ``system``: the host's default, ``bbr`` here). With
-BBR both pace, and on loopback the transport's ~1 MiB sends then arrive out of order often
-enough to trigger fast retransmits (docs/benchmarks.md has the counters and both settings).
-Mooncake's connections set none: they send with the host's default.
+Every connection (the raw socket's, tcp's, Mooncake's) sends with the host's TCP congestion
+control.
 A size's rounds (``--repeats``) come in ``--passes`` visits (default 5), the sizes taking
 turns, each visit after one untimed call of every method: a disturbance lasting a second or
 two, longer than all of a small size's rounds take, then lands in one visit's share of any
@@ -104,7 +101,6 @@ from bench._common import (
     ratio,
     write_json,
 )
-from services.common.config import tcp_congestion
 from services.up import worker_placement
 from transfer import (
     ByteRange,
@@ -116,7 +112,6 @@ from transfer import (
     get_transport,
     plan_blocks,
 )
-from transfer.tcp_frames import set_congestion
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -145,7 +140,7 @@ SERVICE_START_S = 240.0
 
 METHODS = ("memcpy_bulk", "memcpy", "shm", "socket", "tcp", "mooncake")
 # Methods whose target process registers a region, and the options each side builds its
-# transport with (the initiator's tcp also gets --tcp-congestion).
+# transport with.
 REGION_METHODS = ("shm", "tcp", "mooncake")
 TRANSPORT_OPTS: dict[str, dict[str, Any]] = {
     "shm": {},
@@ -187,9 +182,6 @@ class BenchConfig:
     seed: int
     hop_pin: bool = True  # engines on their own core; client, gateway, control on another
     transfer_pin: bool = True  # this process (the initiator) on one core, the peers on another
-    # Congestion control of the raw socket and the tcp transport's connection (None: the
-    # host's default).
-    tcp_congestion: str | None = "reno"
     # Hop: also stream from a decode worker pinned whole to the engine core (no
     # --engine-cpus), a reference row for what splitting its threads gains.
     hop_whole_pin: bool = False
@@ -730,16 +722,11 @@ class TransferBench:
         for name in regions:
             handle = MemoryRegionHandle.from_dict(peers[name].recv(PEER_START_S))
             if name not in self.transports:
-                opts = dict(TRANSPORT_OPTS[name])
-                if name == "tcp":
-                    opts["congestion"] = cfg.tcp_congestion
-                self.transports[name] = get_transport(name, **opts)
+                self.transports[name] = get_transport(name, **TRANSPORT_OPTS[name])
             self.writers[name] = self.transports[name].connect(handle, self.source)
         port = peers["socket"].recv(PEER_START_S)
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if cfg.tcp_congestion is not None:  # the sender's choice is the one that counts
-            set_congestion(self.sock, cfg.tcp_congestion)
         self.src_view = memoryview(self.src.numpy())
         self.local_view = memoryview(self.local_dst.numpy())
         self._ids = 0
@@ -1104,12 +1091,15 @@ async def _hop_async(
     from engine.async_engine import AsyncEngine
     from engine.llm_engine import EngineConfig, LLMEngine
     from pdserve.v1 import gateway_pb2_grpc, worker_pb2_grpc
+    from services.common.tuning import Tuning
 
     engine = await asyncio.to_thread(
         LLMEngine, EngineConfig(num_threads=1, kv_cache_bytes=HOP_KV_MIB << 20)
     )
-    # The in-process engine's thread computes where the workers' engine threads do.
-    aengine = AsyncEngine(engine, cpus=engine_cpus)
+    # The in-process engine's thread computes where, and waits as, the workers' engine
+    # threads do.
+    cpus = None if engine_cpus is None else frozenset(engine_cpus)
+    aengine = AsyncEngine(engine, **Tuning(engine_cpus=cpus).engine_options())
     aengine.start()
     streams: dict[str, Callable[[str, list[int], int], Any]] = {
         "in-process AsyncEngine": lambda r, i, n: _stream_inprocess(aengine, r, i, n)
@@ -1269,14 +1259,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="transfer: leave every process unpinned (default with 2+ cores: this process on "
         "the first core, the shm, tcp, mooncake and socket targets on the second)",
     )
-    p.add_argument(
-        "--tcp-congestion",
-        type=lambda text: text if text == "system" else tcp_congestion(text),
-        default="reno",
-        metavar="NAME",
-        help="TCP congestion control of the raw socket and the tcp transport alike "
-        "(default: reno; 'system': the host's default)",
-    )
     p.add_argument("--seed", type=int, default=0, help="seed of block ids and prompts")
     p.add_argument("--json", metavar="OUT", help="write results (every sample) to this file")
     p.add_argument(
@@ -1305,7 +1287,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         hop_pin=not args.no_hop_pin,
         transfer_pin=not args.no_transfer_pin,
-        tcp_congestion=None if args.tcp_congestion == "system" else args.tcp_congestion,
         hop_whole_pin=args.hop_whole_pin,
     )
 
@@ -1343,11 +1324,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if initiator and target
         else "unpinned"
     )
-    congestion = cfg.tcp_congestion or "the system's"
     print(f"Throughput, GB/s at the median latency ({cfg.repeats} repeats in {cfg.passes} "
           f"passes, {placement}, "
-          f"{congestion} congestion control on the socket and tcp, the host's on mooncake's "
-          f"own connections (protocol tcp); "
+          f"the host's congestion control on every connection (mooncake's protocol tcp); "
           f"targets: shm ≥ {SHM_TARGET:.2f}× memcpy, tcp ≥ {TCP_TARGET:.2f}× socket):")  # fmt: skip
     print(throughput_table(sizes))
     print(f"Retiring tcp (issue 35): {verdict}")

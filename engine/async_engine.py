@@ -70,21 +70,19 @@ class _PrefillJob:
     future: Future[PrefillOutput]
 
 
-DELIVERY_WAIT_S = 0.002
-
-
 class AsyncEngine:
     def __init__(
         self,
         engine: LLMEngine,
         *,
         prefill_token_budget: int = 4096,
-        delivery_wait_s: float = DELIVERY_WAIT_S,
+        delivery_wait_s: float = 0.0,
         cpus: frozenset[int] | set[int] | None = None,
     ) -> None:
-        """``cpus``: the cores the engine thread (and the torch threads it starts) runs on;
-        None: wherever the process may run. ``ValueError`` unless a non-empty set of core
-        numbers; cores the system refuses fail ``start``."""
+        """``delivery_wait_s``: the bound on the wait after each step (0: none; a service
+        passes its tuning's). ``cpus``: the cores the engine thread (and the torch threads
+        it starts) runs on; None: wherever the process may run. ``ValueError`` unless a
+        non-empty set of core numbers; cores the system refuses fail ``start``."""
         if delivery_wait_s < 0:
             raise ValueError(f"delivery_wait_s must be >= 0, got {delivery_wait_s}")
         self.cpus = core_set(cpus) if cpus is not None else None

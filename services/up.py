@@ -47,7 +47,7 @@ from pathlib import Path
 from kvstore.master import READY_LINE as MASTER_READY
 from kvstore.master import master_argv
 from services.common import settings
-from services.common.config import cpu_list, tcp_congestion
+from services.common.config import cpu_list
 from services.common.engine_args import EngineArgs
 from services.common.settings import setting
 from services.common.worker_args import MIN_SEGMENT_MIB
@@ -81,13 +81,6 @@ class UpConfig:
         ("shm",),
         "KV data plane of the decode workers: shm, tcp or mooncake, or a comma list given to "
         "them round-robin (e.g. shm,tcp)",
-    )
-    kv_tcp_congestion: str | None = setting(
-        None,
-        "prefill workers: TCP congestion control of tcp KV connections (e.g. reno; default: "
-        "the system's)",
-        parse=tcp_congestion,
-        metavar="NAME",
     )
     heartbeat_ttl_s: float = setting(
         3.0, "the scheduler drops a worker silent this long", metavar="SECONDS"
@@ -176,8 +169,6 @@ def prefill_flags(cfg: UpConfig) -> list[str]:
     flags = []
     if "mooncake" in cfg.transport:  # its engine starts only in workers that need it
         flags += ["--transports", "shm,tcp,mooncake"]
-    if cfg.kv_tcp_congestion:
-        flags += ["--kv-tcp-congestion", cfg.kv_tcp_congestion]
     return flags
 
 

@@ -41,11 +41,9 @@ from transfer.tcp_frames import (
     FrameError,
     FrameKind,
     advance,
-    check_congestion,
     encode_data,
     key_bytes,
     parse_address,
-    set_congestion,
     split_frames,
 )
 from transfer.tcp_receiver import TcpReceiver, TcpRegion
@@ -95,7 +93,6 @@ class TcpWriter(OwnerThreadWriter):
         handle: MemoryRegionHandle,
         source: KVSource,
         connect_timeout: float,
-        congestion: str | None = None,
     ) -> None:
         if source.tensor.device.type != "cpu":
             raise TransferError(f"tcp sends from host memory, not {source.tensor.device}")
@@ -103,7 +100,6 @@ class TcpWriter(OwnerThreadWriter):
         self._address = parse_address(handle.address)
         self._key = key_bytes(handle.key)
         self._connect_timeout = connect_timeout
-        self._congestion = congestion
         self._tags = itertools.count(1)
         self._payload = memoryview(source.tensor.numpy())
         # Connect now, on the caller's thread, so an unreachable target fails connect(); the
@@ -124,9 +120,7 @@ class TcpWriter(OwnerThreadWriter):
             raise TransferError(f"cannot connect to {self.handle.address}: {exc}") from exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._congestion is not None:
-                set_congestion(sock, self._congestion)
-        except (OSError, TransferError):
+        except OSError:
             sock.close()
             raise
         sock.setblocking(False)
@@ -327,11 +321,8 @@ class TcpTransport(Transport):
     ``host`` is a wildcard). ``idle_timeout`` closes connections silent between frames;
     ``io_timeout`` bounds silence inside a frame and before a new connection's first one;
     ``max_connections`` caps the connections served at once (one thread each; more are
-    closed at once); ``connect_timeout`` bounds a writer's dial.
-    ``congestion`` is the TCP congestion control the writers' connections send with (Linux
-    ``TCP_CONGESTION``; ``None``: the system's default); a name this process may not use
-    fails here, not at the first connection. Between two processes on one host ``reno``
-    avoids BBR's pacing reordering loopback segments (docs/benchmarks.md, transfer).
+    closed at once); ``connect_timeout`` bounds a writer's dial. Connections send with the
+    system's TCP congestion control.
     """
 
     name = TRANSPORT_NAME
@@ -346,10 +337,7 @@ class TcpTransport(Transport):
         io_timeout: float = 10.0,
         max_connections: int = 64,
         connect_timeout: float = 5.0,
-        congestion: str | None = None,
     ) -> None:
-        if congestion is not None:
-            check_congestion(congestion)
         if max_connections < 1:
             raise TransferError(f"max_connections must be at least 1, got {max_connections}")
         super().__init__()
@@ -362,7 +350,6 @@ class TcpTransport(Transport):
         self.io_timeout = io_timeout
         self.max_connections = max_connections
         self.connect_timeout = connect_timeout
-        self.congestion = congestion
         self._receiver: TcpReceiver | None = None
 
     @property
@@ -394,7 +381,7 @@ class TcpTransport(Transport):
         return region
 
     def _open_writer(self, handle: MemoryRegionHandle, source: KVSource) -> TcpWriter:
-        return TcpWriter(handle, source, self.connect_timeout, self.congestion)
+        return TcpWriter(handle, source, self.connect_timeout)
 
     def close(self) -> None:
         super().close()

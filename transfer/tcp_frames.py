@@ -199,36 +199,6 @@ def _timeval(seconds: float) -> bytes:
     return struct.pack("ll", whole, int((seconds - whole) * 1e6))
 
 
-_ALLOWED_CC = "/proc/sys/net/ipv4/tcp_allowed_congestion_control"
-
-
-def set_congestion(sock: socket.socket, name: str) -> None:
-    """Make ``sock`` send with the TCP congestion control ``name`` (Linux ``TCP_CONGESTION``);
-    ``TransferError`` naming the choices this process has when the kernel refuses it (an
-    unprivileged process may pick only from ``net.ipv4.tcp_allowed_congestion_control``)."""
-    option = getattr(socket, "TCP_CONGESTION", None)
-    if option is None:
-        raise TransferError("this platform cannot choose a TCP congestion control")
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, option, name.encode())
-    except OSError as exc:
-        try:
-            with open(_ALLOWED_CC) as f:
-                allowed = f.read().split()
-        except OSError:
-            allowed = []
-        choices = f"; allowed here: {', '.join(allowed)}" if allowed else ""
-        raise TransferError(
-            f"cannot use TCP congestion control {name!r}: {exc.strerror or exc}{choices}"
-        ) from None
-
-
-def check_congestion(name: str) -> None:
-    """Fail now (``TransferError``) if connections could not use congestion control ``name``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        set_congestion(probe, name)
-
-
 def set_io_tick(sock: socket.socket, send: float, recv: float) -> None:
     """Blocking mode, with kernel send/receive timeouts (the loops' ticks), in seconds."""
     sock.settimeout(None)

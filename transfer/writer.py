@@ -18,7 +18,6 @@ transport calls ``_resolve``; a job still draining ``DRAIN_TIMEOUT_S`` later is 
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import os
 import queue
@@ -131,12 +130,10 @@ class OwnerThreadWriter(RegionWriter):
         weakref.finalize(self, os.close, self._wake)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._wake, selectors.EVENT_READ, self._on_wake)
-        # Guards the two flags below. It orders posts against close() (a message posted
-        # before ``_closed`` is set is in the inbox when the owner takes its last messages,
-        # so every begun job gets an outcome) and against the owner going to sleep.
+        # Orders posts against close(): a message posted before ``_closed`` is set is in the
+        # inbox when the owner takes its last messages, so every begun job gets an outcome.
         self._post_lock = threading.Lock()
         self._closed = False  # set once, by close() or the owner on its way out
-        self._asleep = False  # the owner waits for a wake-up
         self._works: dict[str, JobWork] = {}  # owner thread only; in begin order
         self._draining: dict[JobWork, float] = {}  # failed, awaiting _resolve: give-up time
         self._stats = TransferStats()  # replaced whole by the owner; read by anyone
@@ -156,9 +153,7 @@ class OwnerThreadWriter(RegionWriter):
                     message[1].outcome.set_exception(self._closed_error())
                 return  # a job posted to before: the owner failed it at close
             self._inbox.put(message)
-            wake, self._asleep = self._asleep, False
-        if wake:  # a system call, and a thread switch: only when the owner waits for one
-            os.eventfd_write(self._wake, 1)
+        os.eventfd_write(self._wake, 1)
 
     def stats(self) -> TransferStats:
         return self._stats
@@ -269,10 +264,6 @@ class OwnerThreadWriter(RegionWriter):
     # --- owner thread -------------------------------------------------------------------
 
     def _run(self) -> None:
-        # A background mover: woken by a post, it waits for the poster's time slice to end
-        # instead of preempting it, so a burst of posts costs one thread switch, not one each.
-        with contextlib.suppress(OSError, AttributeError):  # not Linux, or not allowed
-            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
         try:
             while not self._closed:
                 self._take_messages()
@@ -301,15 +292,8 @@ class OwnerThreadWriter(RegionWriter):
             pass
 
     def _sleep_for(self) -> float | None:
-        """How long the loop may wait; posters wake it if it may wait at all."""
-        timeout = 0.0 if self._closed else self._next_wait()  # retired: exit at once
-        if timeout != 0:
-            with self._post_lock:
-                if self._inbox.empty():
-                    self._asleep = True
-                else:
-                    timeout = 0
-        return timeout
+        """How long the loop may wait; every post wakes it."""
+        return 0.0 if self._closed else self._next_wait()  # retired: exit at once
 
     def _next_wait(self) -> float | None:
         """0 with bytes to move now; else until the soonest deadline (None: none)."""

@@ -108,8 +108,6 @@ def run(cfg: ChaosConfig, say: Callable[[str], None] = _say) -> ChaosReport:
             str(free_port()),
             "--grpc-port",
             str(free_port()),
-            "--kv-tcp-congestion",
-            "reno",
             "--log-dir",
             str(log_dir),
         ],

@@ -19,18 +19,6 @@ def log_level(text: str) -> str:
     return text.strip().lower()
 
 
-def tcp_congestion(text: str) -> str:
-    """A TCP congestion control this process may use (e.g. ``reno``)."""
-    from transfer.errors import TransferError  # here: the transfer package imports torch
-    from transfer.tcp_frames import check_congestion
-
-    try:
-        check_congestion(text)
-    except TransferError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
 def cpu_list(text: str) -> frozenset[int]:
     """A comma list of cores (``"0,2"``), each one this process may run on."""
     try:

@@ -1,7 +1,29 @@
-"""``Tuning``: how a process that runs an engine (a worker, the gateway's local backend)
-lays out its threads. Applied once, at start, by the process shell
-(``services.common.process.run``) and where the ``AsyncEngine`` is built
-(``engine_options``); nothing on the request path reads it.
+"""``Tuning``: the speed knobs of a process that runs an engine (a worker, the gateway's
+local backend), in one place: settings that change no output and no capacity, only how soon
+tokens reach the client.
+
+A knob stays here only while a benchmark shows it move a figure a user sees: ITL, TTFT, or
+the delay the serving path adds to each token on its way to the client ("token delay").
+The runs and their commands are in docs/benchmarks.md at the commit named.
+
+- ``delivery_wait_ms`` (2 ms) and ``switch_interval_ms`` (0.5 ms), measured together on the
+  workers: disaggregated ITL P50 / P99 112 / 146 -> 93 / 122 ms (``bench.interference``,
+  "Interference", e7db6f6); serving hop token delay P99, worker path 8.9 -> 1.71 ms,
+  gateway path 2.25 -> 1.39 ms (``bench.transfer``, "Serving hop", e7db6f6).
+- ``switch_interval_ms`` on the gateway, with its stream-start log moved after the first
+  event (a first token had waited 0.3-3 ms there): gateway hop token delay P99 1.49-2.00 ->
+  1.21-1.45 ms (``bench.transfer``, 36c669b).
+- ``engine_cpus`` (not pinned; ``pdserve up --pin`` sets it): worker token delay P99
+  1.82-6.33 ms with every thread on the engine core, 1.12-1.81 ms with the engine thread
+  alone there (``bench.transfer --hop-whole-pin``, c60c329; 1be0c0c).
+
+Gone for want of such a figure (what they moved was KV transfer throughput on one host):
+``SCHED_BATCH`` on the KV writer's owner thread, the check that spared a post its eventfd
+write, and the tcp transport's congestion control (``--kv-tcp-congestion``).
+
+Applied once, at start, by the process shell (``services.common.process.run``) and where
+the ``AsyncEngine`` is built (``engine_options``): engine/ and transfer/ take values as
+parameters and never read this module.
 """
 
 from __future__ import annotations
@@ -16,7 +38,8 @@ from services.common.settings import setting
 
 @dataclass(frozen=True)
 class Tuning:
-    """The thread layout of one process. ``ValueError`` on a value out of range."""
+    """The speed knobs of one process that runs an engine. ``ValueError`` on a value out of
+    range."""
 
     switch_interval_ms: float = setting(
         0.5,
@@ -60,5 +83,5 @@ class Tuning:
         return sys.getswitchinterval()
 
     def engine_options(self) -> dict[str, Any]:
-        """The ``AsyncEngine`` keyword arguments this layout sets."""
+        """The ``AsyncEngine`` keyword arguments these knobs set."""
         return {"cpus": self.engine_cpus, "delivery_wait_s": self.delivery_wait_ms / 1000.0}

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 from services.common import settings
 from services.common.cluster_auth import ClusterAuthArgs
-from services.common.config import tcp_congestion
 from services.common.engine_args import EngineArgs
 from services.common.fault_args import FaultArgs
 from services.common.settings import setting
@@ -32,13 +31,6 @@ class PrefillConfig:
         ("shm", "tcp"),
         "comma-separated transports this worker can write KV with (shm, tcp, mooncake, cuda_ipc)",
     )
-    kv_tcp_congestion: str | None = setting(
-        None,
-        "TCP congestion control of this worker's tcp KV connections (e.g. reno; default: "
-        "the system's). On one host reno avoids BBR's pacing reordering loopback segments",
-        parse=tcp_congestion,
-        metavar="NAME",
-    )
     prefill_token_budget: int = setting(4096, "most prompt tokens computed in one forward pass")
     mooncake: MooncakeArgs = field(default_factory=MooncakeArgs)
     store: KVStoreArgs = field(default_factory=KVStoreArgs)
@@ -58,8 +50,6 @@ class PrefillConfig:
 
     def transport_options(self, name: str) -> dict[str, object]:
         """The options this config gives transport ``name``."""
-        if name == "tcp" and self.kv_tcp_congestion:
-            return {"congestion": self.kv_tcp_congestion}
         if name == "mooncake":
             return self.mooncake.options(self.worker.reachable_host)
         return {}

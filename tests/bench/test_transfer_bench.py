@@ -225,15 +225,6 @@ def test_quick_skips_the_hop_unless_asked() -> None:
     assert full.sizes == (128, 256, 512, 1024, 2048, 4096) and full.hop
     assert not config_from_args(parse_args(["--skip-hop"])).hop
     assert config_from_args(parse_args(["--quick", "--repeats", "7"])).repeats == 7
-    # Both TCP paths send with reno unless told otherwise; "system" leaves the host's default.
-    assert full.tcp_congestion == "reno"
-    assert config_from_args(parse_args(["--tcp-congestion", "system"])).tcp_congestion is None
-    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
-        host = f.read().strip()  # one every process may use
-    assert config_from_args(parse_args(["--tcp-congestion", host])).tcp_congestion == host
-    with pytest.raises(SystemExit) as exc:  # refused while parsing, before anything starts
-        main(["--tcp-congestion", "no-such-cc"])
-    assert exc.value.code == 2
 
 
 def test_both_parts_pin_their_two_sides_to_two_cores(
@@ -270,7 +261,6 @@ HAS_MOONCAKE = importlib.util.find_spec("mooncake") is not None
 def test_quick_run_measures_every_method_at_every_size(tmp_path: Path) -> None:
     data = _run(tmp_path, "--quick", timeout=180)
     assert [r["tokens"] for r in data["transfer"]] == [128, 256]
-    assert data["config"]["tcp_congestion"] == "reno"
     assert data["hop"] is None
     # Where Mooncake's Transfer Engine is installed its method must run, not be skipped.
     assert ("mooncake" in data["skipped"]) is not HAS_MOONCAKE

@@ -209,10 +209,16 @@ async def test_each_step_waits_until_its_tokens_reached_their_consumer(make_engi
     assert aeng.num_delivery_waits == 0
 
 
-async def test_a_blocked_event_loop_delays_a_step_by_at_most_the_wait(make_engine) -> None:
+@pytest.mark.parametrize(
+    ("options", "waits_run_out"),
+    [({"delivery_wait_s": 0.01}, True), ({}, False)],  # unset: the engine waits for nobody
+)
+async def test_a_blocked_event_loop_delays_a_step_by_at_most_the_wait(
+    make_engine, options: dict[str, float], waits_run_out: bool
+) -> None:
     eng = make_engine()
     starts = _record_steps(eng)
-    aeng = AsyncEngine(eng, delivery_wait_s=0.01)
+    aeng = AsyncEngine(eng, **options)
     aeng.start()
     try:
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -225,7 +231,7 @@ async def test_a_blocked_event_loop_delays_a_step_by_at_most_the_wait(make_engin
     finally:
         await aeng.stop()
     assert steps_while_blocked >= 1
-    assert aeng.num_delivery_waits >= 1
+    assert (aeng.num_delivery_waits >= 1) is waits_run_out
     assert sum(len(ev.new_token_ids) for ev in rest) == 5
 
 

@@ -1,6 +1,6 @@
 """``pdserve up``'s config and layout: pinned by default (the measured-best layout),
-decode workers first and away from the control plane, engine settings and the KV TCP
-congestion control handed to the workers as their own flags."""
+decode workers first and away from the control plane, engine settings handed to the
+workers as their own flags."""
 
 from __future__ import annotations
 
@@ -68,22 +68,6 @@ def test_engine_settings_reach_the_workers_as_their_own_flags() -> None:
     argv = settings.to_argv(cfg.engine)
     assert prefill_config(argv, {}).engine == cfg.engine
     assert decode_config(argv, {}).engine == cfg.engine
-
-
-def test_kv_tcp_congestion_flows_from_pdserve_up_to_the_prefill_workers_tcp_transport(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    assert prefill_flags(load_up_config([], {})) == []
-    flags = prefill_flags(load_up_config(["--kv-tcp-congestion", "reno"], {}))
-    cfg = prefill_config(flags, {})
-    assert cfg.transport_options("tcp") == {"congestion": "reno"}
-    assert cfg.transport_options("shm") == {}
-    assert prefill_config([], {}).transport_options("tcp") == {}
-    # A name the kernel refuses is a usage error before anything starts.
-    with pytest.raises(SystemExit) as exc:
-        load_up_config(["--kv-tcp-congestion", "no-such-cc"], {})
-    assert exc.value.code == 2
-    assert "--kv-tcp-congestion: cannot use" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -15,27 +15,27 @@ from tests.services.procs import REPO
 
 
 def test_a_bad_environment_value_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    env = {"PDSERVE_PREFILL_KV_TCP_CONGESTION": "no-such-cc"}
+    env = {"PDSERVE_PREFILL_ENGINE_CPUS": "100000"}  # no such core
     with pytest.raises(SystemExit) as exc:
         prefill_config([], env)
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "PDSERVE_PREFILL_KV_TCP_CONGESTION='no-such-cc'" in err
-    assert "cannot use TCP congestion control" in err
-    assert prefill_config([], {"PDSERVE_PREFILL_KV_TCP_CONGESTION": "reno"}).kv_tcp_congestion
+    assert "PDSERVE_PREFILL_ENGINE_CPUS='100000'" in err
+    assert "cores [100000] are not within" in err
+    assert prefill_config([], {"PDSERVE_PREFILL_ENGINE_CPUS": "0"}).tuning.engine_cpus == {0}
     with pytest.raises(SystemExit) as exc:
         decode_config([], {"PDSERVE_DECODE_PORT": "many"})
     assert exc.value.code == 2
     assert "PDSERVE_DECODE_PORT='many'" in capsys.readouterr().err
 
 
-def test_a_refused_congestion_control_stops_the_worker_before_it_starts(
+def test_a_core_it_may_not_use_stops_the_worker_before_it_starts(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     with pytest.raises(SystemExit) as exc:
-        prefill_main(["--kv-tcp-congestion", "no-such-cc"])
+        prefill_main(["--engine-cpus", "100000"])
     assert exc.value.code == 2
-    assert "cannot use TCP congestion control 'no-such-cc'" in capsys.readouterr().err
+    assert "argument --engine-cpus: '100000': cores [100000]" in capsys.readouterr().err
 
 
 def test_worker_defaults() -> None:

@@ -263,32 +263,3 @@ def test_an_ack_that_does_not_match_what_was_sent_fails_the_job(
         with pytest.raises(TransferError, match=r"receiver got \d+ bytes of 'req', \d+ were sent"):
             job.finish().result(10)
         assert region.stats().failures == 1
-
-
-def _congestion(sock: socket.socket) -> str:
-    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0").decode()
-
-
-def test_writers_send_with_the_chosen_congestion_control_and_a_refused_one_fails_early() -> None:
-    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
-        system = f.read().strip()
-    with open("/proc/sys/net/ipv4/tcp_allowed_congestion_control") as f:
-        allowed = f.read().split()
-    # One this process may pick that differs from the default, when the host allows one.
-    chosen = next((name for name in allowed if name != system), system)
-    with Target("tcp", DST_LAYOUT) as target:
-        with TcpTransport() as transport:
-            writer = transport.connect(target.handle, source())
-            assert _congestion(writer._conn.sock) == system  # type: ignore[attr-defined]
-        with TcpTransport(congestion=chosen) as transport:
-            writer = transport.connect(target.handle, source())
-            assert _congestion(writer._conn.sock) == chosen  # type: ignore[attr-defined]
-            results = push_requests(writer)
-            assert [r.bytes for r in results] == MOVE_BYTES
-            assert target.verify(SRC_LAYOUT, MOVES, LAYERS) == 0
-    with pytest.raises(TransferError, match=r"cannot use TCP congestion control 'no-such-cc'"):
-        TcpTransport(congestion="no-such-cc")
-    from transfer import get_transport
-
-    with pytest.raises(TransferError, match=r"allowed here: .*\b" + allowed[0]):
-        get_transport("tcp", congestion="no-such-cc")
