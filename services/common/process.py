@@ -25,7 +25,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import cluster_auth, keepalive, rpc_faults
+from services.common import channels, cluster_auth, rpc_faults
 from services.common.fault_args import FaultArgs
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ class GrpcServer:
                 ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.so_reuseport", 0),  # a port in use fails here, never shared
                 # internal peers ping their calls to notice a silent host
-                *(keepalive.SERVER_OPTIONS if auth is not None else ()),
+                *(channels.SERVER_OPTIONS if auth is not None else ()),
             ],
         )
         self.health = health.aio.HealthServicer()

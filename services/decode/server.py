@@ -34,7 +34,7 @@ from engine.sampling_params import SamplingParams
 from kvstore.prefix import loaded_prefix
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common import cluster_auth, metrics
-from services.common.channel_pool import ChannelPool
+from services.common.channels import ChannelPool
 from services.common.convert import (
     finish_to_proto,
     handle_to_proto,
