@@ -13,7 +13,7 @@ owner thread asks its ``FaultDice`` right before it moves the bytes of a layer r
   is a late write, the case KV fencing exists for;
 - ``drop_every``: every Nth job's connection is dropped (tcp) before its first run.
 
-The same plan drives the process's internal gRPC clients (``services/common/rpc_faults.py``):
+The same plan drives the process's internal gRPC clients (``services/common/faults.py``):
 ``rpc_fail_every``: every Nth call fails with ``UNAVAILABLE`` before it is sent;
 ``rpc_delay_ms``: every call waits this long first.
 """

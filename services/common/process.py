@@ -25,8 +25,8 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import channels, cluster_auth, rpc_faults
-from services.common.fault_args import FaultArgs
+from services.common import channels, cluster_auth
+from services.common.faults import FaultArgs, install_rpc_faults
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -78,7 +78,7 @@ def run(
     configure_logging(service, level)
     if faults is not None and faults.faults:  # parsed only when set: transfer pulls in torch
         plan = faults.plan
-        rpc_faults.install(plan)
+        install_rpc_faults(plan)
         log.warning("faults_injected", plan=str(plan))
     if cluster is not None:
         try:

@@ -1,4 +1,5 @@
-"""A fault plan makes this process's internal gRPC calls fail on purpose (tests, chaos)."""
+"""services.common.faults: a fault plan makes this process's internal gRPC calls fail on
+purpose (tests, chaos)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,16 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common import cluster_auth, rpc_faults
+from services.common import cluster_auth
+from services.common.faults import install_rpc_faults, rpc_fault_interceptors
 from transfer.faults import FaultPlan
 
 
 @pytest.fixture
 def plan() -> Iterator[None]:
-    rpc_faults.install(FaultPlan(rpc_fail_every=2))
+    install_rpc_faults(FaultPlan(rpc_fail_every=2))
     yield
-    rpc_faults.install(None)
+    install_rpc_faults(None)
 
 
 async def test_every_nth_internal_call_fails_unsent(plan) -> None:
@@ -46,4 +48,4 @@ async def test_every_nth_internal_call_fails_unsent(plan) -> None:
 
 
 def test_no_plan_adds_no_interceptor() -> None:
-    assert rpc_faults.interceptors() == []
+    assert rpc_fault_interceptors() == []
