@@ -104,7 +104,7 @@ from bench._common import (
     ratio,
     write_json,
 )
-from services.common.config import tcp_congestion
+from services.common.settings import tcp_congestion
 from services.up import worker_placement
 from transfer import (
     ByteRange,

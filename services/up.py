@@ -47,9 +47,8 @@ from pathlib import Path
 from kvstore.master import READY_LINE as MASTER_READY
 from kvstore.master import master_argv
 from services.common import settings
-from services.common.config import cpu_list, tcp_congestion
 from services.common.engine_args import EngineArgs
-from services.common.settings import setting
+from services.common.settings import cpu_list, setting, tcp_congestion
 from services.common.worker_args import MIN_SEGMENT_MIB
 from services.launcher import (
     REDIS_USER,

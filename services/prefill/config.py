@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 
 from services.common import settings
 from services.common.cluster_auth import ClusterAuthArgs
-from services.common.config import tcp_congestion
 from services.common.engine_args import EngineArgs
 from services.common.faults import FaultArgs
-from services.common.settings import setting
+from services.common.settings import setting, tcp_congestion
 from services.common.tuning import Tuning
 from services.common.worker_args import KVStoreArgs, MooncakeArgs, WorkerArgs
 
