@@ -36,14 +36,17 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common import cluster_auth, metrics
 from services.common.channels import ChannelPool
 from services.common.convert import (
+    FAILED_WORKER_KEY,
+    abort_with,
     finish_to_proto,
     handle_to_proto,
+    kv_fenced,
     sampling_from_proto,
+    status_for,
     top_logprobs_from_proto,
     top_logprobs_to_proto,
     usage,
 )
-from services.common.grpc_errors import FAILED_WORKER_KEY, abort_with, kv_fenced, status_for
 from services.common.kv_store import StoreLink
 from services.decode.kv_receiver import KVReceiver, Prefilled, PrefillFailed
 from transfer.handle import MemoryRegionHandle

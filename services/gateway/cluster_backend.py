@@ -38,8 +38,12 @@ from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from services.common import cluster_auth
 from services.common.background import Background
 from services.common.channels import SCHEDULER_CHANNEL_OPTIONS, ChannelPool, keepalive_options
-from services.common.convert import finish_from_proto, sampling_to_proto, top_logprobs_from_proto
-from services.common.grpc_errors import FAILED_WORKER_KEY
+from services.common.convert import (
+    FAILED_WORKER_KEY,
+    finish_from_proto,
+    sampling_to_proto,
+    top_logprobs_from_proto,
+)
 from services.gateway.backend import (
     BackendUnavailableError,
     GenerateChunk,

@@ -36,11 +36,12 @@ from engine.errors import InvalidRequestError
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common import metrics
 from services.common.convert import (
+    KV_FENCED,
+    abort_with,
     handle_from_proto,
     sampling_from_proto,
     top_logprobs_to_proto,
 )
-from services.common.grpc_errors import KV_FENCED, abort_with
 from services.common.kv_store import StoreLink
 from services.common.placement_token import PlacementTokenError, VerifyKeys, verify_write
 from services.prefill.kv_sender import ROLE, KVDestination, KVSender, SendFailed
