@@ -30,10 +30,15 @@ class FaultArgs:
         "",
         "fault injection for tests and chaos runs, key=value pairs (transfer/faults.py): KV "
         "writes fail_rate, fail_every, delay_ms, stall_ms, drop_every; internal gRPC calls "
-        "rpc_fail_every, rpc_delay_ms; seed. Refused when PDSERVE_PRODUCTION=1 unless "
-        "force=1. Empty: none",
+        "rpc_fail_every, rpc_delay_ms; seed. Refused with --production unless force=1. "
+        "Empty: none",
         metavar="PLAN",
         env="PDSERVE_FAULTS",
+    )
+    production: bool = setting(
+        False,
+        "a production deployment: a --faults plan is refused unless it says force=1",
+        env="PDSERVE_PRODUCTION",
     )
 
     def __post_init__(self) -> None:
@@ -44,7 +49,7 @@ class FaultArgs:
     def plan(self) -> FaultPlan:
         from transfer.faults import FaultPlan
 
-        return FaultPlan.parse(self.faults)
+        return FaultPlan.parse(self.faults, production=self.production)
 
 
 _plan: FaultPlan | None = None  # None: no faults

@@ -9,8 +9,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common import cluster_auth
-from services.common.faults import install_rpc_faults, rpc_fault_interceptors
+from services.common import cluster_auth, settings
+from services.common.faults import FaultArgs, install_rpc_faults, rpc_fault_interceptors
 from transfer.faults import FaultPlan
 
 
@@ -49,3 +49,15 @@ async def test_every_nth_internal_call_fails_unsent(plan) -> None:
 
 def test_no_plan_adds_no_interceptor() -> None:
     assert rpc_fault_interceptors() == []
+
+
+def test_production_comes_from_the_settings_and_refuses_an_unforced_plan(capsys) -> None:
+    env = {"PDSERVE_FAULTS": "stall_ms=10"}
+    assert settings.load(FaultArgs, "prefill", [], env).plan.stall_ms == 10
+    for argv, extra in ((["--production"], {}), ([], {"PDSERVE_PRODUCTION": "1"})):
+        with pytest.raises(SystemExit) as e:
+            settings.load(FaultArgs, "prefill", argv, {**env, **extra})
+        assert e.value.code == 2
+        assert "refused in production" in capsys.readouterr().err
+    forced = {"PDSERVE_FAULTS": "stall_ms=10,force=1", "PDSERVE_PRODUCTION": "1"}
+    assert settings.load(FaultArgs, "prefill", [], forced).plan.stall_ms == 10
