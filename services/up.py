@@ -47,9 +47,8 @@ from pathlib import Path
 from kvstore.master import READY_LINE as MASTER_READY
 from kvstore.master import master_argv
 from services.common import settings
-from services.common.config import cpu_list
 from services.common.engine_args import EngineArgs
-from services.common.settings import setting
+from services.common.settings import cpu_list, setting
 from services.common.worker_args import MIN_SEGMENT_MIB
 from services.launcher import (
     REDIS_USER,
@@ -215,26 +214,62 @@ def worker_placement(
 
 
 def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
-    """Start everything and wait until it serves; returns the endpoints."""
-    workdir = stack.log_dir
+    """Start everything and wait until it serves; returns the endpoints.
+
+    In order, each step waiting for what the next one needs: the control plane (redis, the
+    KV store's master, the scheduler), the workers, the gateway once the workers are ready
+    and registered, and Prometheus last (it scrapes them all)."""
     if cfg.prometheus:
         prometheus_exe()  # a missing binary fails before anything starts
     # One fresh cluster token per stack, in every process's environment (never on a command
     # line); the stack's own, whatever the caller's environment says.
     stack.env["PDSERVE_CLUSTER_TOKEN"] = secrets.token_urlsafe(32)
-    redis_port = cfg.redis_port or free_port()
     cores = sorted(os.sched_getaffinity(0))
     control = cfg.control_cores(cores)
+    plane = _start_control_plane(cfg, stack, control)
+    workers = _start_workers(cfg, stack, plane, cores, control)
+    gateway = _start_gateway(cfg, stack, plane, control)
+    endpoints = _endpoints(cfg, stack, plane, workers, gateway)
+    if cfg.prometheus:
+        endpoints |= _start_prometheus(cfg, stack, plane, workers, gateway)
+    return endpoints
+
+
+@dataclass(frozen=True)
+class _ControlPlane:
+    """What ``launch`` started before the workers."""
+
+    redis_port: int
+    scheduler: Proc
+    scheduler_metrics_port: int
+    kv_store_port: int | None  # the KV store's master; None: no store
+
+    @property
+    def kv_store(self) -> str | None:
+        return None if self.kv_store_port is None else f"127.0.0.1:{self.kv_store_port}"
+
+
+@dataclass(frozen=True)
+class _Worker:
+    proc: Proc
+    metrics: str  # host:port of its /metrics
+
+
+def _start_control_plane(
+    cfg: UpConfig, stack: Stack, control: frozenset[int] | None
+) -> _ControlPlane:
+    """Redis, the KV store's master (unless ``--kv-store-segment-mib 0``) and the scheduler,
+    on the control cores; ready when this returns."""
+    workdir = stack.log_dir
+    redis_port = cfg.redis_port or free_port()
     redis = redis_proc(redis_port, workdir)
     redis.cpus = control
     stack.start(redis, ready_line="Ready to accept connections")
-    store_flags: list[str] = []
+    store_port = None
     if cfg.kv_store_segment_mib:
         store_port = free_port()
         argv = master_argv(store_port, metrics_port=free_port(), host="127.0.0.1")
         stack.start(Proc("kv-store", argv, control), ready_line=MASTER_READY)
-        store_flags = ["--kv-store", f"127.0.0.1:{store_port}",
-                       "--kv-store-segment-mib", str(cfg.kv_store_segment_mib)]  # fmt: skip
     sched_port = cfg.scheduler_port or free_port()
     sched_metrics = free_port()
     sched = stack.start(Proc("scheduler", py(
@@ -246,6 +281,18 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
         "--local-prefill-max-tokens", str(cfg.local_prefill_max_tokens),
     ), control))  # fmt: skip
     stack.wait_ready(stack.procs)
+    return _ControlPlane(redis_port, sched, sched_metrics, store_port)
+
+
+def _start_workers(
+    cfg: UpConfig,
+    stack: Stack,
+    plane: _ControlPlane,
+    cores: list[int],
+    control: frozenset[int] | None,
+) -> dict[str, _Worker]:
+    """The colocated worker, or the prefill and decode workers, each on its cores
+    (``pin_plan``); ready when this returns. Keyed by worker name."""
     names = (
         ["colocated-0"]
         if cfg.colocated
@@ -253,66 +300,84 @@ def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:
         + [f"decode-{i}" for i in range(cfg.decode)]
     )
     plan = pin_plan(names, cores, control) if cfg.pin else {}
-    placement = {name: worker_placement(name, plan, control) for name in names}
-    engine = settings.to_argv(cfg.engine)
-    common = ["--host", cfg.host, "--port", "0", "--scheduler", sched.address,
-              "--heartbeat-interval-s", "0.5", *store_flags, *engine]  # fmt: skip
-    metrics: dict[str, str] = {}  # worker -> host:port of its /metrics
+    store: list[str] = []
+    if plane.kv_store is not None:
+        store = ["--kv-store", plane.kv_store,
+                 "--kv-store-segment-mib", str(cfg.kv_store_segment_mib)]  # fmt: skip
+    common = ["--host", cfg.host, "--port", "0", "--scheduler", plane.scheduler.address,
+              "--heartbeat-interval-s", "0.5", *store, *settings.to_argv(cfg.engine)]  # fmt: skip
+    workers: dict[str, _Worker] = {}
 
-    def start_worker(name: str, module: str, *flags: str) -> Proc:
+    def start_worker(name: str, module: str, *flags: str) -> None:
         port = free_port()
-        metrics[name] = f"{cfg.host}:{port}"
-        cpus, pin = placement[name]
+        cpus, pin = worker_placement(name, plan, control)
         argv = py(module, *common, "--worker-id", name, *flags, *pin, "--metrics-port", str(port))
-        return stack.start(Proc(name, argv, cpus))
+        workers[name] = _Worker(stack.start(Proc(name, argv, cpus)), f"{cfg.host}:{port}")
 
-    workers: list[Proc] = []
     if cfg.colocated:
-        workers.append(start_worker("colocated-0", "services.decode", "--role", "colocated"))
+        start_worker("colocated-0", "services.decode", "--role", "colocated")
     else:
         for i in range(cfg.prefill):
-            workers.append(start_worker(f"prefill-{i}", "services.prefill", *prefill_flags(cfg)))
+            start_worker(f"prefill-{i}", "services.prefill", *prefill_flags(cfg))
         for i in range(cfg.decode):
             transport = cfg.transport[i % len(cfg.transport)]
-            workers.append(start_worker(f"decode-{i}", "services.decode", "--transport", transport))
+            start_worker(f"decode-{i}", "services.decode", "--transport", transport)
+    stack.wait_ready([w.proc for w in workers.values()])
+    return workers
+
+
+def _start_gateway(
+    cfg: UpConfig, stack: Stack, plane: _ControlPlane, control: frozenset[int] | None
+) -> Proc:
+    """The gateway, on the control cores; returns once it can place a request."""
     # Concrete ports, so a restarted gateway listens where clients already connect.
-    gw = ["--host", cfg.host, "--http-port", str(cfg.http_port or free_port()),
-          "--grpc-port", str(cfg.grpc_port or free_port()),
-          "--backend", "cluster", "--scheduler", sched.address, *engine]  # fmt: skip
-    stack.wait_ready(workers)
-    memory = {w.name: _memory_line(w.ready_text) for w in workers}
-    gateway = stack.start(Proc("gateway", py("services.gateway", *gw), control))
+    argv = py("services.gateway", "--host", cfg.host,
+              "--http-port", str(cfg.http_port or free_port()),
+              "--grpc-port", str(cfg.grpc_port or free_port()),
+              "--backend", "cluster", "--scheduler", plane.scheduler.address,
+              *settings.to_argv(cfg.engine))  # fmt: skip
+    gateway = stack.start(Proc("gateway", argv, control))
     stack.wait_ready([gateway])
     _wait_placeable(gateway.address)
-    more = {
-        "scheduler-metrics": f"http://{cfg.host}:{sched_metrics}/metrics",
-        "gateway-metrics": f"http://{gateway.address}/metrics",
-    }
-    if cfg.prometheus:
-        # Prometheus job -> its targets; a worker's job is its role (prefill-0 -> prefill).
-        jobs = {"scheduler": [f"{cfg.host}:{sched_metrics}"], "gateway": [gateway.address]}
-        for name, target in metrics.items():
-            jobs.setdefault(name.split("-")[0], []).append(target)
-        config = workdir / "prometheus.yml"
-        config.write_text(scrape_config(jobs))
-        address = f"{cfg.host}:{cfg.prometheus_port or free_port()}"
-        stack.wait_ready(
-            [stack.start(prometheus_proc(config, address, workdir), ready_line=READY_LINE)]
-        )
-        more |= {"prometheus": f"http://{address}", "prometheus-config": str(config)}
+    return gateway
+
+
+def _start_prometheus(
+    cfg: UpConfig, stack: Stack, plane: _ControlPlane, workers: dict[str, _Worker], gateway: Proc
+) -> dict[str, str]:
+    """Prometheus scraping every service; returns its endpoints."""
+    # Prometheus job -> its targets; a worker's job is its role (prefill-0 -> prefill).
+    jobs = {"scheduler": [f"{cfg.host}:{plane.scheduler_metrics_port}"],
+            "gateway": [gateway.address]}  # fmt: skip
+    for name, worker in workers.items():
+        jobs.setdefault(name.split("-")[0], []).append(worker.metrics)
+    config = stack.log_dir / "prometheus.yml"
+    config.write_text(scrape_config(jobs))
+    address = f"{cfg.host}:{cfg.prometheus_port or free_port()}"
+    stack.wait_ready(
+        [stack.start(prometheus_proc(config, address, stack.log_dir), ready_line=READY_LINE)]
+    )
+    return {"prometheus": f"http://{address}", "prometheus-config": str(config)}
+
+
+def _endpoints(
+    cfg: UpConfig, stack: Stack, plane: _ControlPlane, workers: dict[str, _Worker], gateway: Proc
+) -> dict[str, str]:
+    """Where the stack serves, what it logs and how much memory each worker holds."""
+    memory = {name: _memory_line(w.proc.ready_text) for name, w in workers.items()}
     return {
         "http": f"http://{gateway.address}/v1",
         "grpc": _field(gateway.ready_text, "grpc") or f"{cfg.host}:{cfg.grpc_port}",
-        "scheduler": sched.address,
-        "scheduler-metrics": f"http://{cfg.host}:{sched_metrics}/metrics",
-        "redis": f"redis://127.0.0.1:{redis_port}/0",
-        "redis-password-file": str(redis_password_file(workdir)),  # user REDIS_USER
-        **({"kv-store": store_flags[1]} if store_flags else {}),
+        "scheduler": plane.scheduler.address,
+        "scheduler-metrics": f"http://{cfg.host}:{plane.scheduler_metrics_port}/metrics",
+        "redis": f"redis://127.0.0.1:{plane.redis_port}/0",
+        "redis-password-file": str(redis_password_file(stack.log_dir)),  # user REDIS_USER
+        **({"kv-store": plane.kv_store} if plane.kv_store is not None else {}),
         "logs": str(stack.log_dir),
         # bench and tests read every metrics:* key as a worker's
-        **{f"metrics:{k}": f"http://{v}/metrics" for k, v in metrics.items()},
+        **{f"metrics:{name}": f"http://{w.metrics}/metrics" for name, w in workers.items()},
         **{f"memory:{k}": v for k, v in memory.items() if v},
-        **more,
+        "gateway-metrics": f"http://{gateway.address}/metrics",
     }
 
 

@@ -1,9 +1,10 @@
 """Fault injection for the KV data plane: what a failing link or peer does, on purpose.
 
-A ``FaultPlan`` is parsed from text such as ``"fail_rate=0.05,delay_ms=20,seed=7"`` (the
-``--faults`` flag of the prefill worker, or ``PDSERVE_FAULTS``). Off by default; a process
-started with ``PDSERVE_PRODUCTION=1`` refuses a plan unless it says ``force=1``. A writer's
-owner thread asks its ``FaultDice`` right before it moves the bytes of a layer run:
+A ``FaultPlan`` is parsed from text such as ``"fail_rate=0.05,delay_ms=20,seed=7"`` (a
+service's ``--faults`` setting, ``services.common.faults.FaultArgs``, which also says whether
+this is production). Off by default; a plan parsed for production is refused unless it says
+``force=1``. A writer's owner thread asks its ``FaultDice`` right before it moves the bytes
+of a layer run:
 
 - ``fail_rate`` / ``fail_every``: the job fails there (an injected ``TransferError``), after
   its first run moved: some bytes landed, as when a link dies mid-transfer;
@@ -13,23 +14,19 @@ owner thread asks its ``FaultDice`` right before it moves the bytes of a layer r
   is a late write, the case KV fencing exists for;
 - ``drop_every``: every Nth job's connection is dropped (tcp) before its first run.
 
-The same plan drives the process's internal gRPC clients (``services/common/rpc_faults.py``):
+The same plan drives the process's internal gRPC clients (``services/common/faults.py``):
 ``rpc_fail_every``: every Nth call fails with ``UNAVAILABLE`` before it is sent;
 ``rpc_delay_ms``: every call waits this long first.
 """
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
 from dataclasses import dataclass, fields
 
 from transfer.errors import TransferError
-
-ENV = "PDSERVE_FAULTS"
-PRODUCTION_ENV = "PDSERVE_PRODUCTION"
 
 
 class InjectedFault(TransferError):
@@ -80,10 +77,10 @@ class FaultPlan:
         return bool(self.rpc_fail_every or self.rpc_delay_ms)
 
     @classmethod
-    def parse(cls, text: str, *, production: bool | None = None) -> FaultPlan:
+    def parse(cls, text: str, *, production: bool = False) -> FaultPlan:
         """``key=value`` pairs, comma-separated; empty text is no faults. Raises
-        ``ValueError`` naming the bad part; refuses an active plan in production unless
-        forced (``production`` defaults to ``PDSERVE_PRODUCTION=1``)."""
+        ``ValueError`` naming the bad part; refuses an active plan in ``production`` unless
+        forced."""
         types = {f.name: f.type for f in fields(cls)}
         values: dict[str, object] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
@@ -102,17 +99,11 @@ class FaultPlan:
             except ValueError:
                 raise ValueError(f"fault plan: {key}={raw!r} is not a {kind}") from None
         plan = cls(**values)  # type: ignore[arg-type]
-        if production is None:
-            production = os.environ.get(PRODUCTION_ENV) == "1"
         if plan.active and production and not plan.force:
             raise ValueError(
-                f"fault plan {text!r} refused: {PRODUCTION_ENV}=1 (add force=1 to inject anyway)"
+                f"fault plan {text!r} refused in production (add force=1 to inject anyway)"
             )
         return plan
-
-    @classmethod
-    def from_env(cls) -> FaultPlan:
-        return cls.parse(os.environ.get(ENV, ""))
 
 
 NO_FAULTS = FaultPlan()

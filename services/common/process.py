@@ -7,6 +7,13 @@ Lifecycle of a process: ``run`` (logs, tuning, uvloop) -> the service builds its
 a signal -> NOT_SERVING -> the service's ``on_drain`` (new work refused, in-flight work
 finishing) -> stop the server, cancelling what still runs when ``drain_timeout_s`` since
 the signal is spent -> return to the service, which closes what it owns.
+
+The Prometheus ``/metrics`` server of the workers and the scheduler (``serve_metrics``)
+always answers in the classic text format, whatever the scraper's ``Accept`` asks, as the
+gateway's ``/metrics`` does. prometheus_client's OpenMetrics output, which Prometheus 2.x
+asks for first, writes a ``pdserve:x`` sample as ``pdserve_x`` while its ``# TYPE`` line
+keeps the colon (prometheus/client_python#1177, open), so the stored names would depend on
+the scraper and the client's version, and no dashboard could name them.
 """
 
 from __future__ import annotations
@@ -15,9 +22,12 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -25,8 +35,8 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import cluster_auth, keepalive, rpc_faults
-from services.common.fault_args import FaultArgs
+from services.common import channels, cluster_auth
+from services.common.faults import FaultArgs, install_rpc_faults
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -78,7 +88,7 @@ def run(
     configure_logging(service, level)
     if faults is not None and faults.faults:  # parsed only when set: transfer pulls in torch
         plan = faults.plan
-        rpc_faults.install(plan)
+        install_rpc_faults(plan)
         log.warning("faults_injected", plan=str(plan))
     if cluster is not None:
         try:
@@ -97,10 +107,41 @@ def start_metrics(port: int, host: str, registry: CollectorRegistry | None = Non
     none); ``registry`` defaults to prometheus_client's global one."""
     from prometheus_client import REGISTRY
 
-    from services.common.metrics_http import serve_metrics
-
     if port:
         serve_metrics(host, port, REGISTRY if registry is None else registry)
+
+
+class MetricsServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        # IPv6 hosts ("::") too: the family is the address's, not always AF_INET.
+        host, port = address
+        self.address_family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0][0]
+        super().__init__(address, handler)
+
+
+def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> MetricsServer:
+    """Serve ``registry`` on ``host:port`` (0: a free port, read ``server_address``) at any
+    path in the text format, on a daemon thread; ``shutdown()`` stops it. ``OSError`` if it
+    cannot bind."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = generate_latest(registry)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass  # one line per scrape would bury the service's own logs
+
+    server = MetricsServer((host, port), Handler)
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server
 
 
 def reachable(host: str, advertise_host: str | None = None) -> str:
@@ -147,7 +188,7 @@ class GrpcServer:
                 ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.so_reuseport", 0),  # a port in use fails here, never shared
                 # internal peers ping their calls to notice a silent host
-                *(keepalive.SERVER_OPTIONS if auth is not None else ()),
+                *(channels.SERVER_OPTIONS if auth is not None else ()),
             ],
         )
         self.health = health.aio.HealthServicer()

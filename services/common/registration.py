@@ -25,8 +25,8 @@ import structlog
 from engine.cache_events import CacheEventLog
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common import cluster_auth
+from services.common.channels import SCHEDULER_CHANNEL_OPTIONS
 from services.common.placement_token import VerifyKeys
-from services.common.reconnect import SCHEDULER_CHANNEL_OPTIONS
 
 log = structlog.get_logger(__name__)
 

@@ -23,6 +23,11 @@ The rules, the same for every service:
   (``ValueError``: the one place a config is validated), is an argparse usage error
   (exit status 2) naming the flag or the variable.
 
+The parse hooks several commands share are here too (``log_level``,
+``cpu_list``; usable as argparse ``type=`` functions): each checks its value against this
+machine while parsing, so a value that cannot work is a usage error (exit 2), not a failed
+start.
+
 The environment is read here and nowhere else.
 """
 
@@ -37,10 +42,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from engine.threads import check_cpus
+
 C = TypeVar("C")
 C_co = TypeVar("C_co", covariant=True)
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def setting(
@@ -367,3 +375,20 @@ def read_secret(path: str | None, what: str) -> str | None:
     if not text:
         raise ValueError(f"the {what} {path} is empty")
     return text
+
+
+def log_level(text: str) -> str:
+    """A log level in any case; the field's ``choices`` (``LOG_LEVELS``) check the name."""
+    return text.strip().lower()
+
+
+def cpu_list(text: str) -> frozenset[int]:
+    """A comma list of cores (``"0,2"``), each one this process may run on."""
+    try:
+        cores = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of core numbers: {text!r}") from None
+    try:
+        return check_cpus(cores)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None

@@ -32,8 +32,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.config import cpu_list
-from services.common.settings import setting
+from services.common.settings import cpu_list, setting
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
-from services.common.config import LOG_LEVELS, log_level
-from services.common.settings import setting
+from services.common.settings import LOG_LEVELS, log_level, setting
 
 
 @dataclass(frozen=True)

@@ -36,14 +36,17 @@ from engine.output_processor import RequestOutput
 from kvstore.prefix import loaded_prefix
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common import cluster_auth, metrics
-from services.common.channel_pool import ChannelPool
+from services.common.channels import ChannelPool
 from services.common.convert import (
+    FAILED_WORKER_KEY,
+    abort_with,
     decode_event_to_proto,
     generate_request_from_proto,
+    kv_fenced,
     prefill_reply_from_proto,
     prefill_request_to_proto,
+    status_for,
 )
-from services.common.grpc_errors import FAILED_WORKER_KEY, abort_with, kv_fenced, status_for
 from services.common.kv_store import StoreLink
 from services.common.worker_messages import (
     GenerateRequest,

@@ -35,12 +35,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.block_hash import hash_blocks
 from engine.errors import InvalidRequestError, ResourceExhaustedError
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.common import cluster_auth, keepalive
+from services.common import cluster_auth
 from services.common.background import Background
-from services.common.channel_pool import ChannelPool
-from services.common.convert import finish_from_proto, sampling_to_proto, top_logprobs_from_proto
-from services.common.grpc_errors import FAILED_WORKER_KEY
-from services.common.reconnect import SCHEDULER_CHANNEL_OPTIONS
+from services.common.channels import SCHEDULER_CHANNEL_OPTIONS, ChannelPool, keepalive_options
+from services.common.convert import (
+    FAILED_WORKER_KEY,
+    finish_from_proto,
+    sampling_to_proto,
+    top_logprobs_from_proto,
+)
 from services.gateway.backend import (
     BackendUnavailableError,
     GenerateChunk,
@@ -156,7 +159,7 @@ class ClusterBackend:
         self.worker_model = worker_model
         self.generate_timeout_s = generate_timeout_s
         self.max_migrations = max_migrations
-        self._worker_channel_options = keepalive.channel_options(worker_keepalive_s)
+        self._worker_channel_options = keepalive_options(worker_keepalive_s)
         # Called with the cause of every migration (the gateway's metrics count them).
         self.on_migration: Callable[[str], None] = lambda cause: None
         self._sched_channel: grpc.aio.Channel | None = None

@@ -8,10 +8,9 @@ from dataclasses import dataclass, field
 
 from services.common import settings
 from services.common.cluster_auth import ClusterAuthArgs
-from services.common.config import LOG_LEVELS, log_level
 from services.common.engine_args import EngineArgs
-from services.common.fault_args import FaultArgs
-from services.common.settings import setting
+from services.common.faults import FaultArgs
+from services.common.settings import LOG_LEVELS, log_level, setting
 from services.common.tuning import Tuning
 
 ABOUT = "pdserve gateway: OpenAI-compatible HTTP and gRPC Generate."

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from services.common import settings
 from services.common.cluster_auth import ClusterAuthArgs
 from services.common.engine_args import EngineArgs
-from services.common.fault_args import FaultArgs
+from services.common.faults import FaultArgs
 from services.common.settings import setting
 from services.common.tuning import Tuning
 from services.common.worker_args import KVStoreArgs, MooncakeArgs, WorkerArgs

@@ -36,8 +36,12 @@ from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common import metrics
-from services.common.convert import prefill_reply_to_proto, prefill_request_from_proto
-from services.common.grpc_errors import KV_FENCED, abort_with
+from services.common.convert import (
+    KV_FENCED,
+    abort_with,
+    prefill_reply_to_proto,
+    prefill_request_from_proto,
+)
 from services.common.kv_store import StoreLink
 from services.common.placement_token import PlacementTokenError, VerifyKeys, verify_write
 from services.common.worker_messages import KVDestination, PrefillReply, PrefillRequest

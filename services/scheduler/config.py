@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 
 from services.common import settings
 from services.common.cluster_auth import ClusterAuthArgs
-from services.common.config import LOG_LEVELS, log_level
-from services.common.fault_args import FaultArgs
-from services.common.settings import setting
+from services.common.faults import FaultArgs
+from services.common.settings import LOG_LEVELS, log_level, setting
 from services.scheduler.model import Routing
 from services.scheduler.policy import LOCAL_PREFILL_MAX_TOKENS, AdmissionLimits
 from services.scheduler.state import StateConfig

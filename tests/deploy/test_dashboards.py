@@ -149,7 +149,7 @@ def test_the_served_expositions_hold_every_series_the_dashboard_names(dashboard)
     """Through the /metrics server the workers and the scheduler use, asked as Prometheus
     asks, and the gateway's /metrics body: the names as a scraper stores them."""
     import services.common.metrics as worker
-    from services.common.metrics_http import serve_metrics
+    from services.common.process import serve_metrics
     from services.gateway.metrics import GatewayMetrics
     from services.scheduler.metrics import SchedulerMetrics
     from tests.scrape import PROMETHEUS_ACCEPT

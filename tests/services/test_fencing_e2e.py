@@ -41,7 +41,7 @@ def workers(request):
         procs["prefill"] = start_unscheduled(
             "services.prefill", "--port", "0", "--kv-cache-mib", "48",
             "--transports", "shm,tcp,mooncake", "--metrics-port", str(ports["prefill"]),
-            env={"PDSERVE_FAULTS": f"stall_ms={STALL_MS}"},
+            "--faults", f"stall_ms={STALL_MS}",
         )  # fmt: skip
         yield procs, ports
     finally:

@@ -25,8 +25,7 @@ from engine.sampling_params import SamplingParams
 from engine.structured import StructuredKind, StructuredOutput
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common import cluster_auth
-from services.common.convert import handle_to_proto, structured_to_proto
-from services.common.grpc_errors import kv_fenced
+from services.common.convert import handle_to_proto, kv_fenced, structured_to_proto
 from tests.scrape import metric
 from tests.services.procs import ServiceProcess, start_unscheduled
 from transfer.handle import KVLayout, MemoryRegionHandle

@@ -1,6 +1,7 @@
 """The process shell: JSON logs, the gRPC server's health and reflection, the READY line,
-and the SIGTERM drain (NOT_SERVING, then the service's drain within its deadline, then
-stop)."""
+the SIGTERM drain (NOT_SERVING, then the service's drain within its deadline, then stop),
+and the /metrics server, which keeps ``pdserve:`` names whatever format the scraper asks
+for (prometheus_client's OpenMetrics output would rename the samples)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,17 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.common import process
+from tests.scrape import PROMETHEUS_ACCEPT
 from tests.services.procs import REPO
 
 SERVICE = "pdserve.v1.Test"
@@ -116,3 +121,22 @@ def test_reachable_address() -> None:
     assert process.reachable("0.0.0.0") == "127.0.0.1"
     assert process.reachable("10.0.0.5") == "10.0.0.5"
     assert process.reachable("0.0.0.0", "worker-3") == "worker-3"
+
+
+def test_samples_keep_their_colon_names_when_openmetrics_is_asked_for() -> None:
+    registry = CollectorRegistry()
+    Counter("pdserve:things", "d", ["role"], registry=registry).labels("decode").inc(3)
+    Histogram("pdserve:wait_seconds", "d", registry=registry, buckets=(1.0,)).observe(0.5)
+    server = process.serve_metrics("127.0.0.1", 0, registry)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        request = urllib.request.Request(url, headers={"Accept": PROMETHEUS_ACCEPT})
+        with urllib.request.urlopen(request, timeout=5) as r:
+            assert r.headers["Content-Type"].startswith("text/plain;")  # not OpenMetrics
+            text = r.read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+    samples = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    assert {"pdserve:things_total", "pdserve:wait_seconds_bucket"} <= samples
+    assert not any(name.startswith("pdserve_") for name in samples)

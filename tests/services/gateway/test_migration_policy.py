@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.common.grpc_errors import FAILED_WORKER_KEY
+from services.common.convert import FAILED_WORKER_KEY
 from services.gateway.cluster_backend import _broken
 from services.gateway.migration import Breakage, MigrationHistory, classify
 

@@ -13,7 +13,7 @@ import redis
 
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common import cluster_auth
-from services.common.reconnect import SCHEDULER_CHANNEL_OPTIONS
+from services.common.channels import SCHEDULER_CHANNEL_OPTIONS
 from services.common.registration import Registrar
 from tests.redis_server import RedisServer, free_port
 from tests.services.scheduler.harness import (

@@ -1,4 +1,5 @@
-"""A fault plan makes this process's internal gRPC calls fail on purpose (tests, chaos)."""
+"""services.common.faults: a fault plan makes this process's internal gRPC calls fail on
+purpose (tests, chaos)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,16 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common import cluster_auth, rpc_faults
+from services.common import cluster_auth, settings
+from services.common.faults import FaultArgs, install_rpc_faults, rpc_fault_interceptors
 from transfer.faults import FaultPlan
 
 
 @pytest.fixture
 def plan() -> Iterator[None]:
-    rpc_faults.install(FaultPlan(rpc_fail_every=2))
+    install_rpc_faults(FaultPlan(rpc_fail_every=2))
     yield
-    rpc_faults.install(None)
+    install_rpc_faults(None)
 
 
 async def test_every_nth_internal_call_fails_unsent(plan) -> None:
@@ -46,4 +48,16 @@ async def test_every_nth_internal_call_fails_unsent(plan) -> None:
 
 
 def test_no_plan_adds_no_interceptor() -> None:
-    assert rpc_faults.interceptors() == []
+    assert rpc_fault_interceptors() == []
+
+
+def test_production_comes_from_the_settings_and_refuses_an_unforced_plan(capsys) -> None:
+    env = {"PDSERVE_FAULTS": "stall_ms=10"}
+    assert settings.load(FaultArgs, "prefill", [], env).plan.stall_ms == 10
+    for argv, extra in ((["--production"], {}), ([], {"PDSERVE_PRODUCTION": "1"})):
+        with pytest.raises(SystemExit) as e:
+            settings.load(FaultArgs, "prefill", argv, {**env, **extra})
+        assert e.value.code == 2
+        assert "refused in production" in capsys.readouterr().err
+    forced = {"PDSERVE_FAULTS": "stall_ms=10,force=1", "PDSERVE_PRODUCTION": "1"}
+    assert settings.load(FaultArgs, "prefill", [], forced).plan.stall_ms == 10

@@ -1,6 +1,12 @@
-"""Keepalive of internal calls: a stream whose peer goes silent (its host cut off: no data,
-no reset) fails UNAVAILABLE within about twice the keepalive interval instead of hanging
-until its deadline, and pings never cut a healthy stream that is merely quiet."""
+"""services.common.channels.
+
+Keepalive of internal calls: a stream whose peer goes silent (its host cut off: no data, no
+reset) fails UNAVAILABLE within about twice the keepalive interval instead of hanging until
+its deadline, and pings never cut a healthy stream that is merely quiet.
+
+The pool: channels to peers that come and go are reused while in use and closed once idle,
+so a gateway or decode worker that saw many workers restart on new ports does not keep a
+channel to each of them forever."""
 
 from __future__ import annotations
 
@@ -12,7 +18,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common import keepalive, process
+from services.common import process
+from services.common.channels import ChannelPool, keepalive_options
 from services.common.cluster_auth import ClusterAuth
 
 INTERVAL_S = 0.2
@@ -68,7 +75,7 @@ async def _watch(channel: grpc.aio.Channel) -> grpc.aio.UnaryStreamCall:
 
 async def test_a_stream_whose_peer_goes_silent_fails_unavailable_soon() -> None:
     async with internal_server() as (_, port, proxy):
-        options = keepalive.channel_options(INTERVAL_S)
+        options = keepalive_options(INTERVAL_S)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options) as channel:
             call = await _watch(channel)
             proxy.cut = True
@@ -80,7 +87,7 @@ async def test_a_stream_whose_peer_goes_silent_fails_unavailable_soon() -> None:
 
 async def test_pings_do_not_cut_a_quiet_healthy_stream() -> None:
     async with internal_server() as (server, port, _):
-        options = keepalive.channel_options(INTERVAL_S)
+        options = keepalive_options(INTERVAL_S)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options) as channel:
             call = await _watch(channel)
             await asyncio.sleep(QUIET_S)  # pings, not a byte of data
@@ -91,4 +98,41 @@ async def test_pings_do_not_cut_a_quiet_healthy_stream() -> None:
 
 def test_an_interval_must_be_positive() -> None:
     with pytest.raises(ValueError, match="keepalive"):
-        keepalive.channel_options(0)
+        keepalive_options(0)
+
+
+class _Channel:
+    """Stands in for a grpc.aio.Channel: the pool only opens and closes channels."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.closed = False
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def test_idle_channels_are_closed_and_held_ones_never() -> None:
+    now = [0.0]
+    opened: list[_Channel] = []
+
+    def open_channel(address: str) -> _Channel:
+        opened.append(_Channel(address))
+        return opened[-1]
+
+    pool = ChannelPool(open_channel, idle_s=60, max_idle=2, clock=lambda: now[0])  # type: ignore[arg-type]
+    held = pool.acquire("decode-a:1")
+    async with pool.lease("decode-a:1") as again:
+        assert again is held  # one channel per address, reused
+    for port in range(2, 7):  # workers restarting on new ports, one request each
+        async with pool.lease(f"decode-b:{port}"):
+            now[0] += 1
+    await asyncio.sleep(0)  # the closes run on the loop
+    # the held one stays, and only the newest two idle ones
+    assert len(pool) == 3 and not held.closed
+    assert [c.closed for c in opened[1:]] == [True, True, True, False, False]
+    now[0] += 61  # past idle_s: every idle channel goes at the next release
+    pool.release("decode-a:1")
+    await asyncio.sleep(0)
+    assert len(pool) == 0 and all(c.closed for c in opened)
+    await pool.close()
