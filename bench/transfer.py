@@ -109,8 +109,8 @@ from transfer import (
     MemoryRegionHandle,
     TransferError,
     Transport,
+    block_runs,
     get_transport,
-    plan_blocks,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -347,7 +347,7 @@ class SizeResult:
     nbytes: int
     blocks: int
     ranges: int  # byte ranges of the whole request (all layers)
-    plan_s: float  # plan_blocks once + every layer's ranges (inside the transports' timings)
+    plan_s: float  # block_runs once + every layer's ranges (inside the transports' timings)
     methods: dict[str, MethodResult]
 
     def gb_per_s(self, method: str) -> float:
@@ -795,7 +795,7 @@ class TransferBench:
         src_ids, dst_ids = tuple(src_list), tuple(dst_list)
         # What a transport job does: find the block runs once, then each layer's ranges.
         t0 = time.perf_counter()
-        plan = plan_blocks(self.src_layout, self.dst_layout, src_ids, dst_ids)
+        plan = block_runs(self.src_layout, self.dst_layout, src_ids, dst_ids)
         per_layer = [plan.ranges(layer) for layer in range(NUM_LAYERS)]
         plan_s = time.perf_counter() - t0
         ranges = [r for layer in per_layer for r in layer]

@@ -3,7 +3,7 @@
 Layout: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (2 = key, value).
 Why this order: one layer's keys of one block are a single contiguous byte range, and so is
 a run of consecutive block ids. A request's KV for one layer is therefore ``2 x runs`` byte
-ranges (``transfer.plan_ranges``), which the transfer layer pushes into another process's
+ranges (``transfer.block_runs_ranges``), which the transfer layer pushes into another process's
 pool layer by layer while later layers still compute. The pool may live in memory someone
 else owns (a POSIX shared-memory segment the prefill worker writes into): pass that buffer in.
 

@@ -14,13 +14,13 @@ from transfer.base import (
     TransferStats,
     Transport,
 )
+from transfer.block_runs import BlockRuns, ByteRange, block_runs, layer_ranges
 from transfer.errors import IncompatibleLayoutError, TransferError, TransferTimeout
 from transfer.handle import KVLayout, MemoryRegionHandle
-from transfer.plan import BlockPlan, ByteRange, plan_blocks, plan_ranges
 from transfer.registry import get_transport, known_transports
 
 __all__ = [
-    "BlockPlan",
+    "BlockRuns",
     "ByteRange",
     "IncompatibleLayoutError",
     "JobState",
@@ -35,8 +35,8 @@ __all__ = [
     "TransferStats",
     "TransferTimeout",
     "Transport",
+    "block_runs",
     "get_transport",
     "known_transports",
-    "plan_blocks",
-    "plan_ranges",
+    "layer_ranges",
 ]

@@ -54,10 +54,10 @@ from typing import ClassVar
 
 import torch
 
+from transfer.block_runs import BlockRuns, block_runs
 from transfer.errors import TransferError
-from transfer.faults import FaultDice, FaultPlan
+from transfer.faults import FaultDice, FaultSpec
 from transfer.handle import KVLayout, MemoryRegionHandle
-from transfer.plan import BlockPlan, plan_blocks
 
 LayerReady = Callable[[float], bool]
 """``ready(deadline)``: wait until a layer's source bytes are in the source pool; False if
@@ -194,10 +194,10 @@ class TransferJob:
     """
 
     def __init__(
-        self, writer: RegionWriter, request_id: str, plan: BlockPlan, deadline: float
+        self, writer: RegionWriter, request_id: str, blocks: BlockRuns, deadline: float
     ) -> None:
         self.request_id = request_id
-        self.plan = plan
+        self.blocks = blocks
         self.deadline = deadline
         self.outcome: Future[TransferResult] = Future()
         self.outcome.set_running_or_notify_cancel()  # only the owner ends it, never a cancel
@@ -260,7 +260,7 @@ class RegionWriter(ABC):
     def __init__(self, handle: MemoryRegionHandle, source: KVSource) -> None:
         self.handle = handle
         self.source = source
-        self.dice: FaultDice | None = None  # a fault plan's decisions (transfer/faults.py)
+        self.dice: FaultDice | None = None  # a fault spec's decisions (transfer/faults.py)
 
     def begin(
         self,
@@ -287,8 +287,8 @@ class RegionWriter(ABC):
             raise TransferError(f"deadline must be time.monotonic() seconds, got {deadline!r}")
         if self.closed:
             raise TransferError(f"writer to region {self.handle.region_id} is closed")
-        plan = plan_blocks(self.source.layout, self.handle.layout, src_block_ids, dst_block_ids)
-        job = TransferJob(self, request_id, plan, float(deadline))
+        blocks = block_runs(self.source.layout, self.handle.layout, src_block_ids, dst_block_ids)
+        job = TransferJob(self, request_id, blocks, float(deadline))
         self.post(("begin", job, None))
         return job
 
@@ -333,10 +333,10 @@ class Transport(ABC):
         receiving side can die says so; the worker then reports NOT_SERVING)."""
         return True
 
-    def inject_faults(self, plan: FaultPlan) -> None:
-        """Have writers opened from now on fail, slow down or stall as ``plan`` says (tests,
-        chaos runs); an inactive plan injects nothing."""
-        self._dice = FaultDice(plan) if plan.transfer_active else None
+    def inject_faults(self, spec: FaultSpec) -> None:
+        """Have writers opened from now on fail, slow down or stall as ``spec`` says (tests,
+        chaos runs); an inactive spec injects nothing."""
+        self._dice = FaultDice(spec) if spec.transfer_active else None
 
     @property
     def faults_injected(self) -> int:

@@ -156,12 +156,12 @@ class CudaIpcWriter(OwnerThreadWriter):
         """Layers ``[start, stop)`` of ``work``, every block run, on this writer's stream;
         done when the stream is (the bytes are then in the target's memory)."""
         with torch.cuda.stream(self._stream):
-            for s, d, n in work.job.plan.runs:
+            for s, d, n in work.job.blocks.runs:
                 self._dst_rows[start:stop, :, d : d + n].copy_(
                     self._src_rows[start:stop, :, s : s + n], non_blocking=True
                 )
         self._stream.synchronize()
-        self._landed(work, (stop - start) * 2 * sum(n for _, _, n in work.job.plan.runs))
+        self._landed(work, (stop - start) * 2 * sum(n for _, _, n in work.job.blocks.runs))
         self._moved(work, start, stop)
 
     def _end(self, work: JobWork) -> None:

@@ -1,8 +1,8 @@
 """Fault injection for the KV data plane: what a failing link or peer does, on purpose.
 
-A ``FaultPlan`` is parsed from text such as ``"fail_rate=0.05,delay_ms=20,seed=7"`` (a
+A ``FaultSpec`` is parsed from text such as ``"fail_rate=0.05,delay_ms=20,seed=7"`` (a
 service's ``--faults`` setting, ``services.common.faults.FaultArgs``, which also says whether
-this is production). Off by default; a plan parsed for production is refused unless it says
+this is production). Off by default; a spec parsed for production is refused unless it says
 ``force=1``. A writer's owner thread asks its ``FaultDice`` right before it moves the bytes
 of a layer run:
 
@@ -14,7 +14,7 @@ of a layer run:
   is a late write, the case KV fencing exists for;
 - ``drop_every``: every Nth job's connection is dropped (tcp) before its first run.
 
-The same plan drives the process's internal gRPC clients (``services/common/faults.py``):
+The same spec drives the process's internal gRPC clients (``services/common/faults.py``):
 ``rpc_fail_every``: every Nth call fails with ``UNAVAILABLE`` before it is sent;
 ``rpc_delay_ms``: every call waits this long first.
 """
@@ -30,11 +30,11 @@ from transfer.errors import TransferError
 
 
 class InjectedFault(TransferError):
-    """A failure a fault plan asked for."""
+    """A failure a fault spec asked for."""
 
 
 @dataclass(frozen=True)
-class FaultPlan:
+class FaultSpec:
     fail_rate: float = 0.0
     fail_every: int = 0
     delay_ms: float = 0.0
@@ -55,7 +55,7 @@ class FaultPlan:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
 
     def __str__(self) -> str:
-        """The plan as ``parse`` reads it: the fields that differ from the defaults."""
+        """The spec as ``parse`` reads it: the fields that differ from the defaults."""
         return ",".join(
             f"{f.name}={int(v) if isinstance(v, bool) else v}"
             for f in fields(self)
@@ -77,9 +77,9 @@ class FaultPlan:
         return bool(self.rpc_fail_every or self.rpc_delay_ms)
 
     @classmethod
-    def parse(cls, text: str, *, production: bool = False) -> FaultPlan:
+    def parse(cls, text: str, *, production: bool = False) -> FaultSpec:
         """``key=value`` pairs, comma-separated; empty text is no faults. Raises
-        ``ValueError`` naming the bad part; refuses an active plan in ``production`` unless
+        ``ValueError`` naming the bad part; refuses an active spec in ``production`` unless
         forced."""
         types = {f.name: f.type for f in fields(cls)}
         values: dict[str, object] = {}
@@ -87,7 +87,7 @@ class FaultPlan:
             key, sep, raw = part.partition("=")
             key = key.strip()
             if not sep or key not in types:
-                raise ValueError(f"fault plan: {part!r} is not one of {sorted(types)} as key=value")
+                raise ValueError(f"fault spec: {part!r} is not one of {sorted(types)} as key=value")
             kind = types[key]
             try:
                 if kind == "bool":
@@ -97,31 +97,31 @@ class FaultPlan:
                 else:
                     values[key] = float(raw)
             except ValueError:
-                raise ValueError(f"fault plan: {key}={raw!r} is not a {kind}") from None
-        plan = cls(**values)  # type: ignore[arg-type]
-        if plan.active and production and not plan.force:
+                raise ValueError(f"fault spec: {key}={raw!r} is not a {kind}") from None
+        spec = cls(**values)  # type: ignore[arg-type]
+        if spec.active and production and not spec.force:
             raise ValueError(
-                f"fault plan {text!r} refused in production (add force=1 to inject anyway)"
+                f"fault spec {text!r} refused in production (add force=1 to inject anyway)"
             )
-        return plan
+        return spec
 
 
-NO_FAULTS = FaultPlan()
+NO_FAULTS = FaultSpec()
 
 
 class FaultDice:
-    """A plan's decisions, job by job: shared by a transport's writers (any owner thread)."""
+    """A spec's decisions, job by job: shared by a transport's writers (any owner thread)."""
 
-    def __init__(self, plan: FaultPlan) -> None:
-        self.plan = plan
+    def __init__(self, spec: FaultSpec) -> None:
+        self.spec = spec
         self._lock = threading.Lock()
-        self._rng = random.Random(plan.seed)
+        self._rng = random.Random(spec.seed)
         self._jobs = 0
         self.injected = 0  # faults that happened (fail, stall, drop)
 
     def job_fate(self) -> tuple[bool, bool, bool]:
         """For a job starting now: ``(fail, stall, drop)``."""
-        p = self.plan
+        p = self.spec
         with self._lock:
             self._jobs += 1
             n = self._jobs
@@ -133,8 +133,8 @@ class FaultDice:
         return fail, stall, drop
 
     def delay(self) -> None:
-        if self.plan.delay_ms:
-            time.sleep(self.plan.delay_ms / 1000)
+        if self.spec.delay_ms:
+            time.sleep(self.spec.delay_ms / 1000)
 
     def stall(self) -> None:
-        time.sleep(self.plan.stall_ms / 1000)
+        time.sleep(self.spec.stall_ms / 1000)

@@ -202,7 +202,7 @@ class MooncakeWriter(OwnerThreadWriter):
             start, stop = lowest_run(work.pending)
             self._inject(work)
             for layer in range(start, stop):
-                for src, dst, n in work.job.plan.ranges(layer):
+                for src, dst, n in work.job.blocks.ranges(layer):
                     batch = self._transport.engine.transfer_submit_write(
                         self._segment, self._src_base + src, self._base + dst, n
                     )

@@ -216,7 +216,7 @@ class ShmWriter(OwnerThreadWriter):
         """Copy layers ``[start, stop)`` of ``work``, run by run, in pieces of about
         ``_COPY_CHUNK`` bytes; between pieces take messages and check the deadline, so an
         abort or a timeout stops a long copy within a piece."""
-        for s, d, n in work.job.plan.runs:
+        for s, d, n in work.job.blocks.runs:
             per_piece = max(1, _COPY_CHUNK // (2 * n))
             for a in range(start, stop, per_piece):
                 b = min(stop, a + per_piece)

@@ -178,7 +178,7 @@ class TcpWriter(OwnerThreadWriter):
         while work.pending:
             start, stop = lowest_run(work.pending)
             self._inject(work)
-            ranges = [r for layer in range(start, stop) for r in work.job.plan.ranges(layer)]
+            ranges = [r for layer in range(start, stop) for r in work.job.blocks.ranges(layer)]
             for i, j, size in split_frames([n for _, _, n in ranges], MAX_RANGES, FRAME_BYTES):
                 part = ranges[i:j]
                 head = encode_data(self._key, work.tag, [(d, n) for _, d, n in part], size)

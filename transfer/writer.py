@@ -37,10 +37,10 @@ from transfer.base import (
     TransferResult,
     TransferStats,
 )
+from transfer.block_runs import check_layer
 from transfer.errors import TransferError, TransferTimeout
 from transfer.faults import InjectedFault
 from transfer.handle import MemoryRegionHandle
-from transfer.plan import check_layer
 
 log = structlog.get_logger(__name__)
 
@@ -207,7 +207,7 @@ class OwnerThreadWriter(RegionWriter):
     def _copy_pending(self, copy: Callable[[JobWork, int, int], None]) -> None:
         """The ``_move`` of writers whose copy is the delivery (shm, cuda_ipc): every job's
         lowest run of pending layers in turn, through ``copy(work, start, stop)`` (which
-        calls ``_moved``), after the fault plan had its say."""
+        calls ``_moved``), after the fault spec had its say."""
         for work in list(self._works.values()):
             while work.pending and not work.done:
                 start, stop = lowest_run(work.pending)
@@ -240,10 +240,10 @@ class OwnerThreadWriter(RegionWriter):
         """The owner is exiting: release the mapping or socket."""
 
     def _drop_connection(self, work: JobWork) -> None:
-        """A fault plan drops ``work``'s connection (transports that have one)."""
+        """A fault spec drops ``work``'s connection (transports that have one)."""
 
     def _inject(self, work: JobWork) -> None:
-        """The fault plan's say, right before a run of ``work``'s layers moves: delay, stall
+        """The fault spec's say, right before a run of ``work``'s layers moves: delay, stall
         (once per job), drop the connection or fail the job (``InjectedFault``)."""
         dice = self.dice
         if dice is None:
@@ -346,7 +346,7 @@ class OwnerThreadWriter(RegionWriter):
         assert isinstance(arg, tuple)  # (layer, ready, when): what write_layer posts
         layer, ready, posted_at = arg
         try:
-            check_layer(layer, work.job.plan.num_layers)
+            check_layer(layer, work.job.blocks.num_layers)
         except TransferError as exc:
             self._fail(work, TransferError(f"{work.job.request_id!r}: {exc}"))
             return
@@ -405,7 +405,7 @@ class OwnerThreadWriter(RegionWriter):
         written = work.written.bit_count()
         return TransferTimeout(
             f"transfer of {work.job.request_id!r} to region {self.handle.region_id} missed its "
-            f"deadline: {work.bytes_moved} of {written * work.job.plan.layer_bytes} bytes moved"
+            f"deadline: {work.bytes_moved} of {written * work.job.blocks.layer_bytes} bytes moved"
             + (", awaiting confirmation" if work.ended else "")
         )
 

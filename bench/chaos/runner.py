@@ -1,6 +1,6 @@
 """One chaos run, start to stop.
 
-Lifecycle: /dev/shm measured -> stack started (``pdserve up``'s ``launch``, fault plan in the
+Lifecycle: /dev/shm measured -> stack started (``pdserve up``'s ``launch``, fault spec in the
 prefill workers' environment) -> free KV blocks and migration counters read -> requests sent
 (at most ``concurrency`` at once, each with its own deadline) while ``pdserve up``'s
 supervisor ticks and the planned ``kill -9``s fire -> wait (at most ``lease_wait_s``) for the

@@ -186,7 +186,7 @@ def channel(
     if auth.token is not None:
         md = ((TOKEN_METADATA_KEY, auth.token),)
         interceptors = [_UnaryUnary(md), _UnaryStream(md), _StreamUnary(md), _StreamStream(md)]
-    interceptors += rpc_fault_interceptors()  # none unless a fault plan asks (tests, chaos)
+    interceptors += rpc_fault_interceptors()  # none unless a fault spec asks (tests, chaos)
     creds = auth.channel_credentials()
     if creds is None:
         return grpc.aio.insecure_channel(address, options, interceptors=interceptors)

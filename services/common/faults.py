@@ -21,7 +21,7 @@ import grpc
 from services.common.settings import setting
 
 if TYPE_CHECKING:  # transfer pulls in torch: not for --help
-    from transfer.faults import FaultPlan
+    from transfer.faults import FaultSpec
 
 
 @dataclass(frozen=True)
@@ -46,17 +46,17 @@ class FaultArgs:
             self.plan  # noqa: B018 (validates: a bad plan is a usage error)
 
     @property
-    def plan(self) -> FaultPlan:
-        from transfer.faults import FaultPlan
+    def plan(self) -> FaultSpec:
+        from transfer.faults import FaultSpec
 
-        return FaultPlan.parse(self.faults, production=self.production)
+        return FaultSpec.parse(self.faults, production=self.production)
 
 
-_plan: FaultPlan | None = None  # None: no faults
+_plan: FaultSpec | None = None  # None: no faults
 _calls = itertools.count(1)
 
 
-def install_rpc_faults(plan: FaultPlan | None) -> None:
+def install_rpc_faults(plan: FaultSpec | None) -> None:
     """Make ``plan``'s gRPC faults this process's (None: none)."""
     global _plan
     _plan = plan if plan is not None and plan.rpc_active else None

@@ -80,7 +80,7 @@ def run(
     faults: FaultArgs | None = None,
 ) -> int:
     """Start a service process: logs, then its cluster auth from ``cluster`` (installed for
-    the process: ``cluster_auth.channel``; an unreadable file exits 2), its fault plan (for
+    the process: ``cluster_auth.channel``; an unreadable file exits 2), its fault spec (for
     its internal gRPC clients; tests and chaos runs only), then ``tuning`` (once), then
     ``main`` on uvloop; returns the exit status (``main``'s, 0 for None)."""
     import uvloop

@@ -47,8 +47,8 @@ from services.common.placement_token import PlacementTokenError, VerifyKeys, ver
 from services.common.worker_messages import KVDestination, PrefillReply, PrefillRequest
 from services.prefill.kv_sender import ROLE, KVSender, SendFailed
 from transfer.base import Transport
+from transfer.block_runs import first_repeat
 from transfer.errors import TransferError
-from transfer.plan import first_repeat
 
 log = structlog.get_logger(__name__)
 

@@ -3,7 +3,7 @@ host pool (shm, tcp, mooncake): a destination block is reused only once no byte 
 writer can land any more, and cancelling a request at any point of its life leaves every
 block free on both workers.
 
-The prefill worker runs a fault plan that freezes each transfer's writer for a while right
+The prefill worker runs a fault spec that freezes each transfer's writer for a while right
 before it moves bytes (``stall_ms``: what a descheduled or stopped writer does), so a
 request cancelled meanwhile has a writer that will still write when it wakes: the late
 write that fencing must keep out of any block given to another request.

@@ -12,7 +12,7 @@ import torch
 
 from tests.transfer.target import DST_LAYOUT, DST_SEED, pattern, source, wait_until
 from transfer import JobState, KVRegion, RegionWriter, TransferError, get_transport
-from transfer.faults import FaultDice, FaultPlan, InjectedFault
+from transfer.faults import FaultDice, FaultSpec, InjectedFault
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -20,29 +20,29 @@ SRC_IDS, DST_IDS = [0, 1], [3, 4]
 
 
 def test_parse_round_trips_and_names_bad_parts() -> None:
-    plan = FaultPlan.parse("fail_rate=0.05, delay_ms=2,seed=9", production=False)
-    assert plan == FaultPlan(fail_rate=0.05, delay_ms=2.0, seed=9)
-    assert FaultPlan.parse(str(plan), production=False) == plan
-    assert not FaultPlan.parse("", production=True).active
+    plan = FaultSpec.parse("fail_rate=0.05, delay_ms=2,seed=9", production=False)
+    assert plan == FaultSpec(fail_rate=0.05, delay_ms=2.0, seed=9)
+    assert FaultSpec.parse(str(plan), production=False) == plan
+    assert not FaultSpec.parse("", production=True).active
     with pytest.raises(ValueError, match="'nope=1' is not one of"):
-        FaultPlan.parse("nope=1")
+        FaultSpec.parse("nope=1")
     with pytest.raises(ValueError, match="fail_every='x' is not a int"):
-        FaultPlan.parse("fail_every=x")
+        FaultSpec.parse("fail_every=x")
     with pytest.raises(ValueError, match=r"must be in \[0, 1\]"):
-        FaultPlan.parse("fail_rate=1.5")
+        FaultSpec.parse("fail_rate=1.5")
 
 
 def test_production_refuses_a_plan_unless_forced() -> None:
     with pytest.raises(ValueError, match="refused in production"):
-        FaultPlan.parse("stall_ms=10", production=True)
-    assert FaultPlan.parse("stall_ms=10,force=1", production=True).stall_ms == 10
+        FaultSpec.parse("stall_ms=10", production=True)
+    assert FaultSpec.parse("stall_ms=10,force=1", production=True).stall_ms == 10
 
 
 def test_dice_fail_every_and_rate_are_seeded() -> None:
-    every = FaultDice(FaultPlan(fail_every=3))
+    every = FaultDice(FaultSpec(fail_every=3))
     assert [every.job_fate()[0] for _ in range(6)] == [False, False, True, False, False, True]
-    a = FaultDice(FaultPlan(fail_rate=0.3, seed=4))
-    b = FaultDice(FaultPlan(fail_rate=0.3, seed=4))
+    a = FaultDice(FaultSpec(fail_rate=0.3, seed=4))
+    b = FaultDice(FaultSpec(fail_rate=0.3, seed=4))
     fates = [a.job_fate()[0] for _ in range(200)]
     assert fates == [b.job_fate()[0] for _ in range(200)]
     assert 30 < sum(fates) < 90
@@ -50,16 +50,16 @@ def test_dice_fail_every_and_rate_are_seeded() -> None:
 
 @pytest.fixture(params=["shm", "tcp"])
 def faulty(request: pytest.FixtureRequest) -> Iterator[tuple[KVRegion, RegionWriter, str]]:
-    """A region and a writer to it from a transport that injects ``plan`` (set per test)."""
+    """A region and a writer to it from a transport that injects the test's ``faults`` marker."""
     with get_transport(request.param) as target, get_transport(request.param) as initiator:
         region = target.register(DST_LAYOUT)
         region.tensor.copy_(pattern(DST_LAYOUT.total_bytes, DST_SEED))
-        plan = request.node.get_closest_marker("plan").args[0]
-        initiator.inject_faults(FaultPlan.parse(plan))
+        spec = request.node.get_closest_marker("faults").args[0]
+        initiator.inject_faults(FaultSpec.parse(spec))
         yield region, initiator.connect(region.handle, source()), request.param
 
 
-@pytest.mark.plan("fail_every=2,drop_every=4")
+@pytest.mark.faults("fail_every=2,drop_every=4")
 def test_injected_failures_fail_jobs_cleanly(faulty) -> None:
     _, writer, _ = faulty
     states = []
@@ -78,7 +78,7 @@ def test_injected_failures_fail_jobs_cleanly(faulty) -> None:
     assert states == [JobState.SUCCESS, JobState.FAILED, JobState.SUCCESS, JobState.FAILED]
 
 
-@pytest.mark.plan("stall_ms=600")
+@pytest.mark.faults("stall_ms=600")
 def test_a_stalled_writer_writes_after_an_abort_it_could_not_see(faulty) -> None:
     """The reason for KV fencing: an abort does not stop a writer that is frozen; only its
     outcome (or its deadline plus a grace) says it stopped."""

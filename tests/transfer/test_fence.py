@@ -1,7 +1,7 @@
 """The fence on every transport that writes into a host pool: once a failed job's outcome
 says quiet, no byte of it lands any more, even bytes its writer moves late.
 
-The initiator's fault plan freezes each writer right before it moves a job's first bytes
+The initiator's fault spec freezes each writer right before it moves a job's first bytes
 (``stall_ms``: a writer descheduled mid-job). The job is aborted during the freeze, so the
 writer wakes with an abort waiting and moves its first bytes late anyway. As soon as the
 outcome is in and quiet, the test plays the decode worker that reuses the blocks: it fills
@@ -18,7 +18,7 @@ import torch
 
 from tests.transfer.target import DST_LAYOUT, blocks_view, pattern, source
 from transfer import TransferError, get_transport
-from transfer.faults import FaultPlan
+from transfer.faults import FaultSpec
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,7 +31,7 @@ def test_no_byte_of_a_failed_job_lands_after_its_quiet_outcome(name: str) -> Non
     opts = {"protocol": "tcp"} if name == "mooncake" else {}
     with get_transport(name, **opts) as target, get_transport(name, **opts) as initiator:
         region = target.register(DST_LAYOUT)
-        initiator.inject_faults(FaultPlan(stall_ms=STALL_S * 1000))
+        initiator.inject_faults(FaultSpec(stall_ms=STALL_S * 1000))
         a = source()
         writer = initiator.connect(region.handle, a)
         job = writer.begin("late", SRC_IDS, DST_IDS, deadline=time.monotonic() + 20)

@@ -1,4 +1,4 @@
-"""services.common.faults: a fault plan makes this process's internal gRPC calls fail on
+"""services.common.faults: a fault spec makes this process's internal gRPC calls fail on
 purpose (tests, chaos)."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.common import cluster_auth, settings
 from services.common.faults import FaultArgs, install_rpc_faults, rpc_fault_interceptors
-from transfer.faults import FaultPlan
+from transfer.faults import FaultSpec
 
 
 @pytest.fixture
 def plan() -> Iterator[None]:
-    install_rpc_faults(FaultPlan(rpc_fail_every=2))
+    install_rpc_faults(FaultSpec(rpc_fail_every=2))
     yield
     install_rpc_faults(None)
 

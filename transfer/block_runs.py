@@ -3,8 +3,8 @@
 A request's KV in one layer is its keys, then its values; each is one byte range per run of
 block ids that are consecutive on *both* sides (the block manager hands out consecutive ids
 when it can, so a fresh request is usually one run). The runs are the same in every layer,
-so a job plans them once (``plan_blocks``) and any layer's ranges follow from them
-(``BlockPlan.ranges``); a transport may also copy one run of many layers in one strided call.
+so a job plans them once (``block_runs``) and any layer's ranges follow from them
+(``BlockRuns.ranges``); a transport may also copy one run of many layers in one strided call.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ ByteRange = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
-class BlockPlan:
+class BlockRuns:
     """One request's block runs between two pools.
 
     ``runs`` are ``(src_offset, dst_offset, length)`` in bytes *within one row* of each pool,
@@ -78,12 +78,12 @@ def first_repeat(block_ids: Sequence[int]) -> int | None:
     return None
 
 
-def plan_blocks(
+def block_runs(
     src_layout: KVLayout,
     dst_layout: KVLayout,
     src_block_ids: Sequence[int],
     dst_block_ids: Sequence[int],
-) -> BlockPlan:
+) -> BlockRuns:
     """The runs that copy ``src_block_ids[i]`` to ``dst_block_ids[i]`` in every layer.
 
     Raises ``IncompatibleLayoutError`` when the layouts cannot exchange blocks and
@@ -107,12 +107,12 @@ def plan_blocks(
         else:
             runs.append((s, d, 1))
     size = src_layout.block_bytes
-    return BlockPlan(
+    return BlockRuns(
         src_layout, dst_layout, tuple((s * size, d * size, n * size) for s, d, n in runs)
     )
 
 
-def plan_ranges(
+def layer_ranges(
     src_layout: KVLayout,
     dst_layout: KVLayout,
     src_block_ids: Sequence[int],
@@ -120,10 +120,10 @@ def plan_ranges(
     layer: int,
 ) -> list[ByteRange]:
     """Byte ranges that copy ``src_block_ids[i]`` to ``dst_block_ids[i]`` for one layer
-    (``plan_blocks``, then that layer's ranges); ``TransferError`` for a bad layer too."""
-    plan = plan_blocks(src_layout, dst_layout, src_block_ids, dst_block_ids)
+    (``block_runs``, then that layer's ranges); ``TransferError`` for a bad layer too."""
+    runs = block_runs(src_layout, dst_layout, src_block_ids, dst_block_ids)
     check_layer(layer, src_layout.num_layers)
-    return plan.ranges(layer)
+    return runs.ranges(layer)
 
 
 def check_layer(layer: object, num_layers: int) -> None:
