@@ -573,23 +573,35 @@ def weight_bytes(ckpt: Any, weights: str) -> int:
     return sum(t.numel() * t.element_size() for t in ckpt.tensors.values())
 
 
-def run_threads(cfg: BenchConfig, threads: int) -> ThreadResult:
-    """Measure pdserve (each weight format) and transformers on ``threads`` threads in this
-    process (call it in a fresh one). Every system gets the same prompts, one after the other
-    within each repeat, so drift in the machine's load hits all of them alike."""
-    torch.set_num_threads(threads)
-    wall0 = time.perf_counter()
-    load_before = load_average()
-    copies: list[CopyBandwidth] = [measure_copy_bandwidth(cfg.copy_mib << 20)]
-    _log(threads, f"copy bandwidth {copies[0].bytes_per_s / 1e9:.2f} GB/s")
+@dataclass
+class _Prompts:
+    """Random token ids from one seeded generator, drawn in the order the bench asks."""
 
-    from engine.checkpoint import load_checkpoint
+    gen: torch.Generator
+    vocab: int
+
+    def __call__(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return _random_ids(self.gen, self.vocab, shape)
+
+
+@dataclass(frozen=True)
+class _Systems:
+    """What the bench times: pdserve's engine per weight format, and transformers (or None)."""
+
+    engines: dict[str, Any]
+    hf: Any
+
+    @property
+    def names(self) -> list[str]:
+        return [*self.engines, *(["transformers"] if self.hf is not None else [])]
+
+
+def _engines(cfg: BenchConfig, ckpt: Any, threads: int) -> dict[str, Any]:
+    """One engine per weight format of ``cfg``, with room for the largest prefill and for
+    every decode batch's contexts; prefix caching off, so every prefill computes."""
     from engine.llm_engine import EngineConfig, LLMEngine
-    from engine.sampling_params import SamplingParams
     from engine.tokenizer import Tokenizer
-    from kernels.paged_attention import cpu_kernel_available
 
-    ckpt = load_checkpoint(cfg.model, dtype=cfg.torch_dtype)
     block = 16
     decode_tokens = cfg.context + 2 + cfg.decode_steps * cfg.repeats
     num_blocks = 1 + max(
@@ -617,39 +629,39 @@ def run_threads(cfg: BenchConfig, threads: int) -> ThreadResult:
             checkpoint=ckpt if weights == "float32" else None,
             tokenizer=tokenizer,
         )
-    vocab = ckpt.config.vocab_size
-    kernel = cpu_kernel_available()
-    hf = _load_transformers(ckpt.path, cfg.torch_dtype) if cfg.transformers else None
-    gen = torch.Generator().manual_seed(cfg.seed * 1000 + threads)
+    return engines
 
-    # Warm-up (untimed): first-call allocations, oneDNN primitives, the attention kernel.
-    warm = _random_ids(gen, vocab, (min(128, max(cfg.prefill_lens)),))
-    for engine in engines.values():
-        engine.generate(
-            [warm.tolist()], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        )
-    if hf is not None:
-        _hf_prefill_s(hf, warm)
-    _log(threads, f"loaded {list(engines)}; cpu attention kernel: {kernel}")
 
-    systems = [*engines, *(["transformers"] if hf is not None else [])]
-    prefill: dict[str, list[PrefillResult]] = {name: [] for name in systems}
+def _time_prefill(
+    cfg: BenchConfig, threads: int, systems: _Systems, ids: _Prompts
+) -> dict[str, list[PrefillResult]]:
+    """Seconds of each system's prefill per prompt length; within a repeat every system
+    gets the same fresh prompt, one after the other."""
+    engines, hf = systems.engines, systems.hf
+    prefill: dict[str, list[PrefillResult]] = {name: [] for name in systems.names}
     for length in cfg.prefill_lens:
         times: dict[str, list[float]] = {w: [] for w in prefill}
         for _ in range(cfg.repeats):
-            ids = _random_ids(gen, vocab, (length,))  # fresh per repeat: nothing cached
+            prompt = ids((length,))  # fresh per repeat: nothing cached
             for weights, engine in engines.items():
-                times[weights].append(_engine_prefill_s(engine, ids.tolist()))
+                times[weights].append(_engine_prefill_s(engine, prompt.tolist()))
             if hf is not None:
-                times["transformers"].append(_hf_prefill_s(hf, ids))
+                times["transformers"].append(_hf_prefill_s(hf, prompt))
         for name, seconds in times.items():
             prefill[name].append(PrefillResult(length, tuple(seconds)))
         _log(threads, f"prefill {length}: seconds {times}")
+    return prefill
 
-    decode: dict[str, list[DecodeResult]] = {w: [] for w in prefill}
+
+def _time_decode(
+    cfg: BenchConfig, threads: int, systems: _Systems, ids: _Prompts
+) -> dict[str, list[DecodeResult]]:
+    """Seconds of ``cfg.decode_steps`` decode steps per batch size and system, each repeat."""
+    engines, hf = systems.engines, systems.hf
+    decode: dict[str, list[DecodeResult]] = {name: [] for name in systems.names}
     for batch in cfg.batches:
-        prompts = _random_ids(gen, vocab, (batch, cfg.context))
-        times = {w: [] for w in decode}
+        prompts = ids((batch, cfg.context))
+        times: dict[str, list[float]] = {w: [] for w in decode}
         for weights, engine in engines.items():
             times[weights] = _engine_decode_s(engine, prompts, cfg.decode_steps, cfg.repeats)
         if hf is not None:
@@ -664,6 +676,41 @@ def run_threads(cfg: BenchConfig, threads: int) -> ThreadResult:
         for name, seconds in times.items():
             decode[name].append(DecodeResult(batch, cfg.decode_steps, tuple(seconds)))
         _log(threads, f"decode batch {batch}: seconds {times}")
+    return decode
+
+
+def run_threads(cfg: BenchConfig, threads: int) -> ThreadResult:
+    """Measure pdserve (each weight format) and transformers on ``threads`` threads in this
+    process (call it in a fresh one). Every system gets the same prompts, one after the other
+    within each repeat, so drift in the machine's load hits all of them alike."""
+    torch.set_num_threads(threads)
+    wall0 = time.perf_counter()
+    load_before = load_average()
+    copies: list[CopyBandwidth] = [measure_copy_bandwidth(cfg.copy_mib << 20)]
+    _log(threads, f"copy bandwidth {copies[0].bytes_per_s / 1e9:.2f} GB/s")
+
+    from engine.checkpoint import load_checkpoint
+    from engine.sampling_params import SamplingParams
+    from kernels.paged_attention import cpu_kernel_available
+
+    ckpt = load_checkpoint(cfg.model, dtype=cfg.torch_dtype)
+    engines = _engines(cfg, ckpt, threads)
+    kernel = cpu_kernel_available()
+    hf = _load_transformers(ckpt.path, cfg.torch_dtype) if cfg.transformers else None
+    ids = _Prompts(torch.Generator().manual_seed(cfg.seed * 1000 + threads), ckpt.config.vocab_size)
+
+    # Warm-up (untimed): first-call allocations, oneDNN primitives, the attention kernel.
+    warm = ids((min(128, max(cfg.prefill_lens)),))
+    for engine in engines.values():
+        engine.generate(
+            [warm.tolist()], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        )
+    if hf is not None:
+        _hf_prefill_s(hf, warm)
+    _log(threads, f"loaded {list(engines)}; cpu attention kernel: {kernel}")
+    systems = _Systems(engines, hf)
+    prefill = _time_prefill(cfg, threads, systems, ids)
+    decode = _time_decode(cfg, threads, systems, ids)
 
     pdserve = tuple(
         SystemResult(w, weight_bytes(ckpt, w), tuple(prefill[w]), tuple(decode[w])) for w in engines
@@ -676,7 +723,7 @@ def run_threads(cfg: BenchConfig, threads: int) -> ThreadResult:
             tuple(prefill["transformers"]),
             tuple(decode["transformers"]),
         )
-    del engines, engine, hf, ckpt
+    del systems, engines, engine, hf, ckpt
     gc.collect()
     copies.append(measure_copy_bandwidth(cfg.copy_mib << 20))
     best = min(copies, key=lambda c: c.best_s)

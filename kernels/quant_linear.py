@@ -118,7 +118,7 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, *, kernel: str = "auto") -> tor
     ``kernel``: ``"fused"`` dequantizes in registers and reads each weight byte once (the
     fastest for a few rows), ``"tiled"`` dequantizes a few rows of W at a time into a tile
     and runs a register-blocked kernel over every input row (the fastest past
-    ``FUSED_ROWS``: ``python -m bench.quant_products``), ``"portable"`` the plain C++ path
+    ``FUSED_ROWS``: measured 2026-12-05, docs/benchmarks.md), ``"portable"`` the plain C++ path
     (what every kernel is on a CPU without AVX2; tests use it), ``"gemm"`` dequantizes
     panels of W's rows (``GEMM_PANEL_BYTES`` at a time, freed after the call) and runs
     torch's GEMM on them (the fastest from ``GEMM_ROWS``, where each dequantized weight

@@ -74,10 +74,10 @@ fi
 # gpu-marked ones at real shapes.
 timeout 300 $PY -m pytest -q -p no:cacheprovider -m "gpu or not slow" "${tests[@]}" -rs \
   --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log" || status=1
-timeout 120 $PY -m bench.gpu_kernels --json "$out/gpu-kernels.json" || status=1
-timeout 120 $PY -m bench.gpu_transfer --json "$out/gpu-transfer.json" || status=1
+timeout 120 $PY -m bench.gpu.kernels --json "$out/gpu-kernels.json" || status=1
+timeout 120 $PY -m bench.gpu.transfer --json "$out/gpu-transfer.json" || status=1
 if [[ $model == yes ]]; then
-  timeout 180 $PY -m bench.gpu_engine --json "$out/gpu-engine.json" || status=1
+  timeout 180 $PY -m bench.gpu.engine --json "$out/gpu-engine.json" || status=1
 fi
-$PY -m bench.gpu_report "$out" | tee "$out/summary.md"
+$PY -m bench.gpu.report "$out" | tee "$out/summary.md"
 exit $status

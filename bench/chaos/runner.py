@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -92,27 +92,7 @@ def run(cfg: ChaosConfig, say: Callable[[str], None] = _say) -> ChaosReport:
     env = {"PDSERVE_DECODE_PREFILL_DEADLINE_S": str(cfg.prefill_deadline_s)}
     if cfg.fault_rate > 0:
         env["PDSERVE_FAULTS"] = f"fail_rate={cfg.fault_rate},seed={cfg.fault_seed}"
-    up = load_up_config(
-        [
-            "--prefill",
-            str(cfg.prefill),
-            "--decode",
-            str(cfg.decode),
-            "--transport",
-            cfg.transport,
-            "--kv-cache-mib",
-            str(cfg.kv_cache_mib),
-            "--kv-store-segment-mib",
-            str(cfg.kv_store_segment_mib),
-            "--http-port",
-            str(free_port()),
-            "--grpc-port",
-            str(free_port()),
-            "--log-dir",
-            str(log_dir),
-        ],
-        {},
-    )
+    up = load_up_config(_up_argv(cfg, log_dir), {})
     stack = Stack(log_dir=log_dir, env=env)
     say(f"starting the stack (logs: {log_dir})")
     phases: dict[str, float] = {}
@@ -134,12 +114,48 @@ def run(cfg: ChaosConfig, say: Callable[[str], None] = _say) -> ChaosReport:
     computing = time.monotonic()
     ref = reference.greedy_texts([o.question for o in live.outcomes], cfg.max_tokens)
     phases["reference_s"] = time.monotonic() - computing
+    return _report(
+        cfg,
+        live,
+        ref,
+        log_dir=log_dir,
+        date=date,
+        wall_s=time.monotonic() - started,
+        phases=phases,
+        shm=(shm_before, shm_after, swept),
+    )
+
+
+def _up_argv(cfg: ChaosConfig, log_dir: Path) -> list[str]:
+    """``pdserve up``'s flags for ``cfg``'s stack, on free ports."""
+    return [
+        "--prefill", str(cfg.prefill), "--decode", str(cfg.decode),
+        "--transport", cfg.transport, "--kv-cache-mib", str(cfg.kv_cache_mib),
+        "--kv-store-segment-mib", str(cfg.kv_store_segment_mib),
+        "--http-port", str(free_port()), "--grpc-port", str(free_port()),
+        "--log-dir", str(log_dir),
+    ]  # fmt: skip
+
+
+def _report(
+    cfg: ChaosConfig,
+    live: _Live,
+    ref: dict[str, str],
+    *,
+    log_dir: Path,
+    date: str,
+    wall_s: float,
+    phases: dict[str, float],
+    shm: tuple[dict[str, int], dict[str, int], list[str]],
+) -> ChaosReport:
+    """The run's figures: outcomes, migrations, answers against ``ref``, KV and /dev/shm."""
+    shm_before, shm_after, swept = shm
     completed, failed, hung, causes = count_outcomes(live.outcomes)
     migrated = probes.migrated_requests(log_dir / "gateway.log")
     return ChaosReport(
         config={**asdict(cfg), "log_dir": str(log_dir)},
         date=date,
-        wall_s=time.monotonic() - started,
+        wall_s=wall_s,
         phases_s=phases,
         requests=cfg.requests,
         completed=completed,
@@ -222,29 +238,12 @@ async def _drive(
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         async with session.get(f"{endpoints['http']}/models") as r:
             model = (await r.json())["data"][0]["id"]
-        free_before = await probes.free_blocks(session, endpoints)
-        for _ in range(20):  # the gauge is set with each heartbeat: the first may be due
-            if None not in free_before.values():
-                break
-            await asyncio.sleep(0.5)
-            free_before = await probes.free_blocks(session, endpoints)
+        free_before = await _reported_free_blocks(session, endpoints)
         migrations_before = await probes.migrations(session, gateway_metrics)
-        pending = list(
-            plan(
-                cfg.requests,
-                kill_prefill=cfg.kill_prefill,
-                kill_decode=cfg.kill_decode,
-                restart_redis=cfg.restart_redis,
-                restart_kv_store=cfg.restart_kv_store,
-            )
-        )
-        fired: list[Kill] = []
-        kills: list[dict[str, object]] = []
-        finished = 0
+        killer = _Killer(stack, _kills(cfg), t0, note)
         gate = asyncio.Semaphore(cfg.concurrency)
 
         async def one(i: int) -> Outcome:
-            nonlocal finished
             async with gate:
                 out = await chat(
                     session,
@@ -255,22 +254,7 @@ async def _drive(
                     max_tokens=cfg.max_tokens,
                     deadline_s=cfg.deadline_s,
                 )
-            finished += 1
-            while pending and finished >= pending[0].after:
-                kill = pending.pop(0)
-                proc = stack.named(kill.target)
-                assert proc.popen is not None
-                proc.popen.kill()
-                fired.append(kill)
-                kills.append(
-                    {
-                        "target": kill.target,
-                        "pid": proc.popen.pid,
-                        "after": finished,
-                        "t_s": time.monotonic() - t0,
-                    }
-                )
-                note(f"kill -9 {kill.target} (pid {proc.popen.pid}) after {finished} finished")
+            finished = killer.one_finished()
             if finished % max(1, cfg.requests // 10) == 0:
                 say(f"{finished}/{cfg.requests} finished")
             return out
@@ -279,14 +263,9 @@ async def _drive(
         requests_s = time.monotonic() - t0
         say("every request finished; waiting for the KV blocks to come back")
         waited = time.monotonic()
-        survivors = [w for w in free_before if w not in {k.target for k in fired}]
-        while True:
-            free_after = await probes.free_blocks(session, endpoints)
-            back = all(free_after.get(w) == free_before[w] for w in survivors)
-            restarted_ready = all(stack.named(k.target).ready.is_set() for k in fired)
-            if (back and restarted_ready) or time.monotonic() - waited > cfg.lease_wait:
-                break
-            await asyncio.sleep(0.5)
+        free_after = await _blocks_back(
+            session, endpoints, stack, free_before, killer.fired, deadline=waited + cfg.lease_wait
+        )
         free_wait_s = time.monotonic() - waited
         migrations_after = await probes.migrations(session, gateway_metrics)
         kv_store = await probes.kv_store_counters(session, endpoints)
@@ -302,8 +281,90 @@ async def _drive(
         migrations_before=migrations_before,
         migrations_after=migrations_after,
         kv_store=kv_store,
-        fired=fired,
-        kills=kills,
+        fired=killer.fired,
+        kills=killer.kills,
         said=said,
         stopped=stopped[0] if stopped else None,
     )
+
+
+@dataclass
+class _Killer:
+    """Fires the planned ``kill -9``s as requests finish, and records each."""
+
+    stack: Stack
+    pending: list[Kill]
+    t0: float
+    note: Callable[[str], None]
+    finished: int = 0
+    fired: list[Kill] = field(default_factory=list)
+    kills: list[dict[str, object]] = field(default_factory=list)
+
+    def one_finished(self) -> int:
+        """Count a finished request, kill every target planned for at most that many, and
+        return the count."""
+        self.finished += 1
+        finished = self.finished
+        while self.pending and finished >= self.pending[0].after:
+            kill = self.pending.pop(0)
+            proc = self.stack.named(kill.target)
+            assert proc.popen is not None
+            proc.popen.kill()
+            self.fired.append(kill)
+            self.kills.append(
+                {
+                    "target": kill.target,
+                    "pid": proc.popen.pid,
+                    "after": finished,
+                    "t_s": time.monotonic() - self.t0,
+                }
+            )
+            self.note(f"kill -9 {kill.target} (pid {proc.popen.pid}) after {finished} finished")
+        return finished
+
+
+def _kills(cfg: ChaosConfig) -> list[Kill]:
+    return list(
+        plan(
+            cfg.requests,
+            kill_prefill=cfg.kill_prefill,
+            kill_decode=cfg.kill_decode,
+            restart_redis=cfg.restart_redis,
+            restart_kv_store=cfg.restart_kv_store,
+        )
+    )
+
+
+async def _reported_free_blocks(
+    session: aiohttp.ClientSession, endpoints: dict[str, str]
+) -> dict[str, int | None]:
+    """Free KV blocks per worker, waiting (up to 10 s) for every worker to report: the gauge
+    is set with each heartbeat, and the first may be due."""
+    free = await probes.free_blocks(session, endpoints)
+    for _ in range(20):
+        if None not in free.values():
+            break
+        await asyncio.sleep(0.5)
+        free = await probes.free_blocks(session, endpoints)
+    return free
+
+
+async def _blocks_back(
+    session: aiohttp.ClientSession,
+    endpoints: dict[str, str],
+    stack: Stack,
+    free_before: dict[str, int | None],
+    fired: list[Kill],
+    *,
+    deadline: float,
+) -> dict[str, int | None]:
+    """Free KV blocks per worker once the workers not killed have all of theirs back and the
+    restarted ones are ready, or at ``deadline`` (``time.monotonic()``), whichever is first."""
+    survivors = [w for w in free_before if w not in {k.target for k in fired}]
+    while True:
+        free_after = await probes.free_blocks(session, endpoints)
+        back = all(free_after.get(w) == free_before[w] for w in survivors)
+        restarted_ready = all(stack.named(k.target).ready.is_set() for k in fired)
+        if (back and restarted_ready) or time.monotonic() > deadline:
+            return free_after
+        await asyncio.sleep(0.5)

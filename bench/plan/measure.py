@@ -73,27 +73,18 @@ def _log(message: str) -> None:
     print(f"[pdserve plan profile] {message}", file=sys.stderr, flush=True)
 
 
-def measure_profile(cfg: ProfileConfig, log: Callable[[str], None] = _log) -> Profile:
-    """Measure and return a ``Profile`` (engine and model errors propagate as ``EngineError``).
+def _timed_tokens(cfg: ProfileConfig) -> int:
+    return 2 + cfg.decode_steps * cfg.repeats  # the decode steps' own growth
 
-    Sets torch's thread count for this process to ``cfg.threads``.
-    """
-    import torch
 
-    from bench._common import load_average, machine_info
-    from bench.engine import _engine_prefill_s, _random_ids
-    from engine.checkpoint import load_checkpoint
+def _engine(cfg: ProfileConfig, ckpt: Any) -> Any:  # -> LLMEngine (torch stays lazy)
+    """An engine with room for the longest prefill and the largest decode batch at the
+    longest context; prefix caching off, so every prefill computes all of its tokens."""
     from engine.llm_engine import EngineConfig, LLMEngine
-    from engine.sampling_params import SamplingParams
     from engine.tokenizer import Tokenizer
 
-    torch.set_num_threads(cfg.threads)
-    wall0 = time.perf_counter()
-    load_before = load_average()
-    ckpt = load_checkpoint(cfg.model, dtype=getattr(torch, cfg.dtype))
     block = 16
-    timed_tokens = 2 + cfg.decode_steps * cfg.repeats  # the decode steps' own growth
-    per_seq = -(-(max(cfg.decode_contexts) + timed_tokens + 1) // block)
+    per_seq = -(-(max(cfg.decode_contexts) + _timed_tokens(cfg) + 1) // block)
     num_blocks = 1 + max(
         -(-(max(cfg.prefill_tokens) + 1) // block), max(cfg.decode_batches) * per_seq
     )
@@ -111,18 +102,22 @@ def measure_profile(cfg: ProfileConfig, log: Callable[[str], None] = _log) -> Pr
     )
     # A fresh pool is calloc'd zero pages: reading them would time the cache, not memory.
     engine.kv.pool.fill_(0.01)
-    vocab = ckpt.config.vocab_size
-    gen = torch.Generator().manual_seed(cfg.seed)
-    warm = _random_ids(gen, vocab, (min(128, max(cfg.prefill_tokens)),))
-    engine.generate([warm.tolist()], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    log(f"loaded {ckpt.path.name} on {cfg.threads} thread(s)")
+    return engine
+
+
+def _time_steps(
+    cfg: ProfileConfig,
+    engine: Any,
+    ids: Callable[[tuple[int, ...]], Any],
+    log: Callable[[str], None],
+) -> tuple[list[float], list[tuple[float, ...]]]:
+    """Median seconds of each prefill length, and of a decode step per batch and context
+    (rows: batches), each on fresh random ``ids`` of the shape asked."""
+    from bench.engine import _engine_prefill_s
 
     prefill_s = []
     for tokens in cfg.prefill_tokens:
-        runs = [
-            _engine_prefill_s(engine, _random_ids(gen, vocab, (tokens,)).tolist())
-            for _ in range(cfg.repeats)
-        ]
+        runs = [_engine_prefill_s(engine, ids((tokens,)).tolist()) for _ in range(cfg.repeats)]
         prefill_s.append(statistics.median(runs))
         log(f"prefill {tokens} tokens: {prefill_s[-1] * 1e3:.1f} ms")
 
@@ -130,10 +125,36 @@ def measure_profile(cfg: ProfileConfig, log: Callable[[str], None] = _log) -> Pr
     for batch in cfg.decode_batches:
         row = []
         for context in cfg.decode_contexts:
-            ids = _random_ids(gen, vocab, (batch, context)).tolist()
-            row.append(_decode_step_s(engine, ids, cfg.decode_steps, cfg.repeats, timed_tokens))
+            prompts = ids((batch, context)).tolist()
+            steps = cfg.decode_steps
+            row.append(_decode_step_s(engine, prompts, steps, cfg.repeats, _timed_tokens(cfg)))
             log(f"decode batch {batch}, context {context}: {row[-1] * 1e3:.1f} ms/step")
         step_s.append(tuple(row))
+    return prefill_s, step_s
+
+
+def measure_profile(cfg: ProfileConfig, log: Callable[[str], None] = _log) -> Profile:
+    """Measure and return a ``Profile`` (engine and model errors propagate as ``EngineError``).
+
+    Sets torch's thread count for this process to ``cfg.threads``.
+    """
+    import torch
+
+    from bench._common import load_average, machine_info
+    from bench.engine import _Prompts
+    from engine.checkpoint import load_checkpoint
+    from engine.sampling_params import SamplingParams
+
+    torch.set_num_threads(cfg.threads)
+    wall0 = time.perf_counter()
+    load_before = load_average()
+    ckpt = load_checkpoint(cfg.model, dtype=getattr(torch, cfg.dtype))
+    engine = _engine(cfg, ckpt)
+    ids = _Prompts(torch.Generator().manual_seed(cfg.seed), ckpt.config.vocab_size)
+    warm = ids((min(128, max(cfg.prefill_tokens)),))
+    engine.generate([warm.tolist()], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    log(f"loaded {ckpt.path.name} on {cfg.threads} thread(s)")
+    prefill_s, step_s = _time_steps(cfg, engine, ids, log)
 
     rate = None
     if cfg.transfer != "none":

@@ -36,241 +36,143 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from bench.serve.arrival import Arrival, Concurrency, FixedRate, Poisson, Schedule
 
 if TYPE_CHECKING:
     from bench.serve.client import Endpoint
+    from bench.serve.metrics import Slo
+    from bench.serve.result import BenchResult
     from bench.serve.sessions import Session
     from bench.serve.workload import RequestSpec
 
 SESSION_WORKLOADS = ("multi-turn", "shared-prefix", "long-document")
 WORKLOADS = ("fixed", "dist", "interference", *SESSION_WORKLOADS, "overload")
 ARRIVALS = ("poisson", "rate", "concurrency")
+T = TypeVar("T")
+
+
+def _span(text: str) -> tuple[int, int]:
+    """``"2000,4000"`` -> ``(2000, 4000)``: a positive MIN,MAX with MIN <= MAX."""
+    try:
+        low, high = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX, got {text!r}") from None
+    if not 0 < low <= high:
+        raise argparse.ArgumentTypeError(f"expected 0 < MIN <= MAX, got {text!r}")
+    return low, high
+
+
+_Flag = tuple[str, dict[str, Any]]
+
+
+def _flag(name: str, default: Any = None, help: str | None = None, **kw: Any) -> _Flag:
+    """One row of the flag table; a number's default gives the flag its type."""
+    if isinstance(default, int | float) and not isinstance(default, bool):
+        kw.setdefault("type", type(default))
+    return name, {"default": default, "help": help, **kw}
+
+
+_D = "(default: %(default)s)"
+# The flags of ``pdserve bench``, in the groups and the order --help shows them.
+FLAG_GROUPS: tuple[tuple[str, tuple[_Flag, ...]], ...] = (
+    ("server", (
+        _flag("--base-url", "http://127.0.0.1:8000", f"server root or its /v1 URL {_D}"),
+        _flag("--model", None, "model name sent in requests (default: the first of /v1/models)"),
+        _flag("--endpoint", None, "/v1/completions or /v1/chat/completions (default: chat for "
+              "multi-turn and shared-prefix, which need it, else completions)",
+              choices=("completions", "chat")),
+        _flag("--prompt-format", "ids", "completions: send prompts as token-id lists or as text "
+              f"{_D}", choices=("ids", "text")),
+        _flag("--ignore-eos", None, "ask the server to ignore EOS so outputs have the asked "
+              "length (vLLM/llama-server extension; default: on, but off for multi-turn and "
+              "shared-prefix, whose answers go back into the conversation as the model ended "
+              "them)", action=argparse.BooleanOptionalAction),
+        _flag("--tokenizer", None, "GGUF file or HF tokenizer directory to build prompts with "
+              "(default: pdserve's default model)", type=Path),
+        _flag("--timeout-s", 300.0, "deadline of each request; past it the request is recorded "
+              f"as failed {_D}"),
+    )),
+    ("workload", (
+        _flag("--workload", "fixed", "default: %(default)s", choices=WORKLOADS),
+        _flag("--num-requests", 32, "fixed, dist (default: 32)"),
+        _flag("--seed", 0, "seeds lengths, filler words and Poisson gaps (nonces stay fresh)"),
+        _flag("--prompt-tokens", 256, "fixed: prompt length; dist lognormal: median "
+              "(default: 256)"),
+        _flag("--output-tokens", 128, "fixed: output length; dist lognormal: median; "
+              "conversations: each turn's max_tokens (default: 128)"),
+        _flag("--dist", "uniform", f"dist: length distribution {_D}",
+              choices=("uniform", "lognormal")),
+        _flag("--prompt-range", (64, 1024), "dist: prompt lengths in [LO, HI] (default: 64 1024)",
+              type=int, nargs=2, metavar=("LO", "HI")),
+        _flag("--output-range", (16, 256), "dist: output lengths in [LO, HI] (default: 16 256)",
+              type=int, nargs=2, metavar=("LO", "HI")),
+        _flag("--sigma", 0.5, "dist lognormal: sigma of ln(length)"),
+        _flag("--streams", 8, "interference: decode streams"),
+        _flag("--stream-prompt-tokens", 32),
+        _flag("--stream-output-tokens", 256),
+        _flag("--stream-stagger-s", 0.01, "interference: stream i starts at i * this"),
+        _flag("--long-prompt-tokens", 1024),
+        _flag("--long-output-tokens", 16),
+        _flag("--long-start-s", 2.0, f"interference: first long prompt {_D}"),
+        _flag("--long-every-s", 4.0, f"interference: then one every this {_D}"),
+        _flag("--long-count", None, "interference: this many long prompts (default: until the "
+              "streams finish)", type=int),
+    )),
+    ("overload (--streams clients; --prompt-tokens, --output-tokens)", (
+        _flag("--flood", 48, f"more clients {_D}"),
+        _flag("--stalled", 8, f"clients that never read {_D}"),
+        _flag("--huge", 3, f"huge prompts {_D}"),
+        _flag("--huge-mib", 3.0, "their size (default: 3 MiB)"),
+        _flag("--quiet-s", 20.0, "quiet phase (default: 20 s)"),
+        _flag("--overload-s", 30.0, "overload phase (default: 30 s)"),
+        _flag("--retry-s", 1.0, "a refused client waits this long before it tries again "
+              "(default: 1 s, what pdserve's Retry-After asks)"),
+    )),
+    ("conversations (multi-turn, shared-prefix; --output-tokens each)", (
+        _flag("--sessions", 8, f"multi-turn {_D}"),
+        _flag("--turns", 4, f"multi-turn: turns a session {_D}"),
+        _flag("--system-prompts", 4, f"shared-prefix {_D}"),
+        _flag("--users", 32, f"shared-prefix: requests {_D}"),
+        _flag("--system-tokens", 512, f"words (one token each) of a system prompt {_D}"),
+        _flag("--rounds", False, "send every session's turn k before any session's turn k+1 "
+              "(users who come back after a while: a conversation's KV has left small pools by "
+              "its next turn)", action="store_true"),
+        _flag("--document-tokens", (2000, 4000), "long-document: words of each session's "
+              "document, drawn in [MIN, MAX] (default: 2000,4000)", type=_span,
+              metavar="MIN,MAX"),
+        _flag("--user-tokens", 64, f"words of a user message {_D}"),
+    )),
+    ("arrival (fixed, dist; conversations: --concurrency)", (
+        _flag("--arrival", None, "poisson at --rate (default), fixed --rate, or closed loop at "
+              "--concurrency", choices=ARRIVALS),
+        _flag("--rate", 1.0, "requests/s (default: 1)"),
+        _flag("--concurrency", 4, "in flight, or sessions at once (default: 4)"),
+    )),
+    ("SLOs and output", (
+        _flag("--slo-ttft-ms", None, "goodput: a good request's TTFT is at most this",
+              type=float),
+        _flag("--slo-itl-ms", None, "goodput: every inter-token gap of a good request is at "
+              "most this", type=float),
+        _flag("--json", None, "write config, every request's record (all token times) and the "
+              "summaries", type=Path, metavar="PATH"),
+        _flag("--plot-dir", None, "write itl_over_time.png and latency_cdf.png here", type=Path,
+              metavar="DIR"),
+        _flag("--label", "run", "this run's name in the plots"),
+        _flag("--no-progress", False, "no progress bar", action="store_true"),
+    )),
+)  # fmt: skip
 
 
 def add_bench_flags(p: argparse.ArgumentParser) -> None:
-    """The ``pdserve bench`` / ``python -m bench.serve`` flags."""
-    g = p.add_argument_group("server")
-    g.add_argument(
-        "--base-url",
-        default="http://127.0.0.1:8000",
-        help="server root or its /v1 URL (default: %(default)s)",
-    )
-    g.add_argument(
-        "--model",
-        default=None,
-        help="model name sent in requests (default: the first of /v1/models)",
-    )
-    g.add_argument(
-        "--endpoint",
-        choices=("completions", "chat"),
-        default=None,
-        help="/v1/completions or /v1/chat/completions (default: chat for multi-turn and "
-        "shared-prefix, which need it, else completions)",
-    )
-    g.add_argument(
-        "--prompt-format",
-        choices=("ids", "text"),
-        default="ids",
-        help="completions: send prompts as token-id lists or as text (default: %(default)s)",
-    )
-    g.add_argument(
-        "--ignore-eos",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="ask the server to ignore EOS so outputs have the asked length "
-        "(vLLM/llama-server extension; default: on, but off for multi-turn and "
-        "shared-prefix, whose answers go back into the conversation as the model ended them)",
-    )
-    g.add_argument(
-        "--tokenizer",
-        type=Path,
-        default=None,
-        help="GGUF file or HF tokenizer directory to build prompts with "
-        "(default: pdserve's default model)",
-    )
-    g.add_argument(
-        "--timeout-s",
-        type=float,
-        default=300.0,
-        help="deadline of each request; past it the request is recorded as "
-        "failed (default: %(default)s)",
-    )
-
-    w = p.add_argument_group("workload")
-    w.add_argument("--workload", choices=WORKLOADS, default="fixed", help="default: %(default)s")
-    w.add_argument("--num-requests", type=int, default=32, help="fixed, dist (default: 32)")
-    w.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="seeds lengths, filler words and Poisson gaps (nonces stay fresh)",
-    )
-    w.add_argument(
-        "--prompt-tokens",
-        type=int,
-        default=256,
-        help="fixed: prompt length; dist lognormal: median (default: 256)",
-    )
-    w.add_argument(
-        "--output-tokens",
-        type=int,
-        default=128,
-        help="fixed: output length; dist lognormal: median; conversations: each "
-        "turn's max_tokens (default: 128)",
-    )
-    w.add_argument(
-        "--dist",
-        choices=("uniform", "lognormal"),
-        default="uniform",
-        help="dist: length distribution (default: %(default)s)",
-    )
-    w.add_argument(
-        "--prompt-range",
-        type=int,
-        nargs=2,
-        default=(64, 1024),
-        metavar=("LO", "HI"),
-        help="dist: prompt lengths in [LO, HI] (default: 64 1024)",
-    )
-    w.add_argument(
-        "--output-range",
-        type=int,
-        nargs=2,
-        default=(16, 256),
-        metavar=("LO", "HI"),
-        help="dist: output lengths in [LO, HI] (default: 16 256)",
-    )
-    w.add_argument("--sigma", type=float, default=0.5, help="dist lognormal: sigma of ln(length)")
-    w.add_argument("--streams", type=int, default=8, help="interference: decode streams")
-    w.add_argument("--stream-prompt-tokens", type=int, default=32)
-    w.add_argument("--stream-output-tokens", type=int, default=256)
-    w.add_argument(
-        "--stream-stagger-s",
-        type=float,
-        default=0.01,
-        help="interference: stream i starts at i * this",
-    )
-    w.add_argument("--long-prompt-tokens", type=int, default=1024)
-    w.add_argument("--long-output-tokens", type=int, default=16)
-    w.add_argument(
-        "--long-start-s",
-        type=float,
-        default=2.0,
-        help="interference: first long prompt (default: %(default)s)",
-    )
-    w.add_argument(
-        "--long-every-s",
-        type=float,
-        default=4.0,
-        help="interference: then one every this (default: %(default)s)",
-    )
-    w.add_argument(
-        "--long-count",
-        type=int,
-        default=None,
-        help="interference: this many long prompts (default: until the streams finish)",
-    )
-
-    v = p.add_argument_group("overload (--streams clients; --prompt-tokens, --output-tokens)")
-    v.add_argument("--flood", type=int, default=48, help="more clients (default: %(default)s)")
-    v.add_argument(
-        "--stalled", type=int, default=8, help="clients that never read (default: %(default)s)"
-    )
-    v.add_argument("--huge", type=int, default=3, help="huge prompts (default: %(default)s)")
-    v.add_argument("--huge-mib", type=float, default=3.0, help="their size (default: 3 MiB)")
-    v.add_argument("--quiet-s", type=float, default=20.0, help="quiet phase (default: 20 s)")
-    v.add_argument("--overload-s", type=float, default=30.0, help="overload phase (default: 30 s)")
-    v.add_argument(
-        "--retry-s",
-        type=float,
-        default=1.0,
-        help="a refused client waits this long before it tries again (default: 1 s, what "
-        "pdserve's Retry-After asks)",
-    )
-
-    c = p.add_argument_group("conversations (multi-turn, shared-prefix; --output-tokens each)")
-    c.add_argument("--sessions", type=int, default=8, help="multi-turn (default: %(default)s)")
-    c.add_argument(
-        "--turns", type=int, default=4, help="multi-turn: turns a session (default: %(default)s)"
-    )
-    c.add_argument(
-        "--system-prompts", type=int, default=4, help="shared-prefix (default: %(default)s)"
-    )
-    c.add_argument(
-        "--users", type=int, default=32, help="shared-prefix: requests (default: %(default)s)"
-    )
-    c.add_argument(
-        "--system-tokens",
-        type=int,
-        default=512,
-        help="words (one token each) of a system prompt (default: %(default)s)",
-    )
-    c.add_argument(
-        "--rounds",
-        action="store_true",
-        help="send every session's turn k before any session's turn k+1 (users who come back "
-        "after a while: a conversation's KV has left small pools by its next turn)",
-    )
-    c.add_argument(
-        "--document-tokens",
-        type=_span,
-        default=(2000, 4000),
-        metavar="MIN,MAX",
-        help="long-document: words of each session's document, drawn in [MIN, MAX] "
-        "(default: 2000,4000)",
-    )
-    c.add_argument(
-        "--user-tokens",
-        type=int,
-        default=64,
-        help="words of a user message (default: %(default)s)",
-    )
-
-    a = p.add_argument_group("arrival (fixed, dist; conversations: --concurrency)")
-    a.add_argument(
-        "--arrival",
-        choices=ARRIVALS,
-        default=None,
-        help="poisson at --rate (default), fixed --rate, or closed loop at --concurrency",
-    )
-    a.add_argument("--rate", type=float, default=1.0, help="requests/s (default: 1)")
-    a.add_argument(
-        "--concurrency", type=int, default=4, help="in flight, or sessions at once (default: 4)"
-    )
-
-    o = p.add_argument_group("SLOs and output")
-    o.add_argument(
-        "--slo-ttft-ms",
-        type=float,
-        default=None,
-        help="goodput: a good request's TTFT is at most this",
-    )
-    o.add_argument(
-        "--slo-itl-ms",
-        type=float,
-        default=None,
-        help="goodput: every inter-token gap of a good request is at most this",
-    )
-    o.add_argument(
-        "--json",
-        type=Path,
-        default=None,
-        metavar="PATH",
-        help="write config, every request's record (all token times) and the summaries",
-    )
-    o.add_argument(
-        "--plot-dir",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="write itl_over_time.png and latency_cdf.png here",
-    )
-    o.add_argument("--label", default="run", help="this run's name in the plots")
-    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    """The ``pdserve bench`` / ``python -m bench.serve`` flags (``FLAG_GROUPS``)."""
+    for title, flags in FLAG_GROUPS:
+        group = p.add_argument_group(title)
+        for name, kw in flags:
+            group.add_argument(name, **kw)
 
 
 def endpoint_from_args(args: argparse.Namespace) -> Endpoint:
@@ -359,17 +261,6 @@ def workload_from_args(args: argparse.Namespace) -> tuple[list[RequestSpec], dic
     return specs, _config(args, params)
 
 
-def _span(text: str) -> tuple[int, int]:
-    """``"2000,4000"`` -> ``(2000, 4000)``: a positive MIN,MAX with MIN <= MAX."""
-    try:
-        low, high = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MIN,MAX, got {text!r}") from None
-    if not 0 < low <= high:
-        raise argparse.ArgumentTypeError(f"expected 0 < MIN <= MAX, got {text!r}")
-    return low, high
-
-
 def sessions_from_args(args: argparse.Namespace) -> tuple[list[Session], dict[str, Any]]:
     """The conversations of ``multi-turn`` / ``shared-prefix``, and their config."""
     from bench.serve import sessions as ss
@@ -411,64 +302,83 @@ def run_bench(args: argparse.Namespace) -> int:
 
     Returns 0 when at least one request succeeded, 1 when none did, 2 for bad flags.
     """
-    import aiohttp
-
-    from bench._common import write_json
-    from bench.serve.metrics import Slo, summarize_by_tag
-    from bench.serve.report import summary_table
-    from bench.serve.reuse import reuse_table, summarize_reuse_by_tag, worker_table
-    from bench.serve.runner import run_benchmark
-    from bench.serve.session_runner import run_sessions
-
     if args.workload == "overload":
         return _run_overload(args)
-    slo = None
-    if args.slo_ttft_ms is not None or args.slo_itl_ms is not None:
-        slo = Slo(ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms)
+    slo = _slo_from_args(args)
+    result = _run_or_exit(args, lambda: _benchmark(args, slo))
+    if isinstance(result, int):
+        return result
+    _report(args, result, slo)
+    return 0 if any(r.ok for r in result.records) else 1
+
+
+def _run_or_exit(args: argparse.Namespace, build: Callable[[], Coroutine[Any, Any, T]]) -> T | int:
+    """Build the run (``ValueError``: bad flags) and run it; an exit code where that failed:
+    2 for bad flags, 1 when the server could not be reached or failed the run."""
+    import aiohttp
+
     try:
-        endpoint = endpoint_from_args(args)
-        arrival = arrival_from_args(args)
-        ignore_eos = ignore_eos_from_args(args)
-        if args.workload in SESSION_WORKLOADS:
-            sessions, workload_config = sessions_from_args(args)
-            config = {**workload_config, "slo": vars(slo) if slo else None}
-            run = run_sessions(
-                args.base_url,
-                sessions,
-                model=args.model,
-                concurrency=args.concurrency,
-                timeout_s=args.timeout_s,
-                progress=not args.no_progress,
-                ignore_eos=ignore_eos,
-                config=config,
-                rounds=args.rounds,
-            )
-        else:
-            specs, workload_config = workload_from_args(args)
-            config = {**workload_config, "slo": vars(slo) if slo else None}
-            run = run_benchmark(
-                args.base_url,
-                specs,
-                model=args.model,
-                arrival=arrival,
-                timeout_s=args.timeout_s,
-                progress=not args.no_progress,
-                endpoint=endpoint,
-                prompt_format=args.prompt_format,
-                ignore_eos=ignore_eos,
-                config=config,
-            )
-    except ValueError as exc:
-        print(f"pdserve bench: {exc}", file=sys.stderr)
-        return 2
-    try:
-        result = asyncio.run(run)
+        return asyncio.run(build())
     except ValueError as exc:
         print(f"pdserve bench: {exc}", file=sys.stderr)
         return 2
     except (aiohttp.ClientError, OSError, RuntimeError, TimeoutError) as exc:
         print(f"pdserve bench: {args.base_url}: {exc or type(exc).__name__}", file=sys.stderr)
         return 1
+
+
+def _slo_from_args(args: argparse.Namespace) -> Slo | None:
+    from bench.serve.metrics import Slo
+
+    if args.slo_ttft_ms is None and args.slo_itl_ms is None:
+        return None
+    return Slo(ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms)
+
+
+def _benchmark(args: argparse.Namespace, slo: Slo | None) -> Coroutine[Any, Any, BenchResult]:
+    """The run the flags describe: conversations or independent requests."""
+    from bench.serve.runner import run_benchmark
+    from bench.serve.session_runner import run_sessions
+
+    endpoint = endpoint_from_args(args)
+    arrival = arrival_from_args(args)
+    common = {
+        "model": args.model,
+        "timeout_s": args.timeout_s,
+        "progress": not args.no_progress,
+        "ignore_eos": ignore_eos_from_args(args),
+    }
+    if args.workload in SESSION_WORKLOADS:
+        sessions, workload_config = sessions_from_args(args)
+        config = {**workload_config, "slo": vars(slo) if slo else None}
+        return run_sessions(
+            args.base_url,
+            sessions,
+            concurrency=args.concurrency,
+            config=config,
+            rounds=args.rounds,
+            **common,
+        )
+    specs, workload_config = workload_from_args(args)
+    config = {**workload_config, "slo": vars(slo) if slo else None}
+    return run_benchmark(
+        args.base_url,
+        specs,
+        arrival=arrival,
+        endpoint=endpoint,
+        prompt_format=args.prompt_format,
+        config=config,
+        **common,
+    )
+
+
+def _report(args: argparse.Namespace, result: BenchResult, slo: Slo | None) -> None:
+    """Print the summary (and prefix reuse, when the server reported it); write JSON, plots."""
+    from bench._common import write_json
+    from bench.serve.metrics import summarize_by_tag
+    from bench.serve.report import summary_table
+    from bench.serve.reuse import reuse_table, summarize_reuse_by_tag, worker_table
+
     summaries = summarize_by_tag(result, slo)
     reuse = summarize_reuse_by_tag(result)
     cfg = result.config
@@ -478,8 +388,8 @@ def run_bench(args: argparse.Namespace) -> int:
         else " (scheduled after the streams finished)"
     )
     print(
-        f"model {cfg['model']} at {args.base_url} ({endpoint}), workload {args.workload}: "
-        f"{len(result.records)} requests in {result.duration_s:.2f} s"
+        f"model {cfg['model']} at {args.base_url} ({endpoint_from_args(args)}), workload "
+        f"{args.workload}: {len(result.records)} requests in {result.duration_s:.2f} s"
         + (dropped if cfg["dropped"] else "")
     )
     print(summary_table(summaries))
@@ -507,23 +417,21 @@ def run_bench(args: argparse.Namespace) -> int:
         plot_itl_over_time({args.label: result}, args.plot_dir / "itl_over_time.png")
         plot_cdfs({args.label: result}, args.plot_dir / "latency_cdf.png")
         print(f"wrote plots to {args.plot_dir}")
-    return 0 if any(r.ok for r in result.records) else 1
 
 
 def _run_overload(args: argparse.Namespace) -> int:
     """``--workload overload``: run it, print the figures and the verdict (exit 0 on PASS)."""
-    import aiohttp
-
     from bench._common import write_json
     from bench.serve import overload
     from bench.serve import workload as wl
 
-    try:
-        cfg = overload.OverloadConfig(
-            streams=args.streams, flood=args.flood, stalled=args.stalled, huge=args.huge,
-            huge_mib=args.huge_mib, quiet_s=args.quiet_s, overload_s=args.overload_s,
-            retry_s=args.retry_s, timeout_s=args.timeout_s,
-        )  # fmt: skip
+    cfg = overload.OverloadConfig(
+        streams=args.streams, flood=args.flood, stalled=args.stalled, huge=args.huge,
+        huge_mib=args.huge_mib, quiet_s=args.quiet_s, overload_s=args.overload_s,
+        retry_s=args.retry_s, timeout_s=args.timeout_s,
+    )  # fmt: skip
+
+    def build() -> Coroutine[Any, Any, list[overload.Phase]]:
         specs = wl.build_fixed(
             wl.default_tokenizer(args.tokenizer),
             num_requests=max(args.streams, 1) * 4,
@@ -531,13 +439,11 @@ def _run_overload(args: argparse.Namespace) -> int:
             output_tokens=args.output_tokens,
             seed=args.seed,
         )
-        phases = asyncio.run(overload.run_overload(args.base_url, specs, cfg, args.model))
-    except ValueError as exc:
-        print(f"pdserve bench: {exc}", file=sys.stderr)
-        return 2
-    except (aiohttp.ClientError, OSError, RuntimeError, TimeoutError) as exc:
-        print(f"pdserve bench: {args.base_url}: {exc or type(exc).__name__}", file=sys.stderr)
-        return 1
+        return overload.run_overload(args.base_url, specs, cfg, args.model)
+
+    phases = _run_or_exit(args, build)
+    if isinstance(phases, int):
+        return phases
     ok, lines = overload.verdict(phases)
     print(f"overload at {args.base_url}: {vars(cfg)}")
     print("\n".join(lines))

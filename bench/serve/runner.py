@@ -102,27 +102,14 @@ async def run_benchmark(
         if model is None:
             model = await fetch_model(session, root, timeout_s)
         tags = _Tags(requests)
-        records: list[RequestRecord] = []
-        dropped = 0
-        bar = tqdm(
-            total=len(requests),
-            disable=not progress,
-            unit="req",
-            file=sys.stderr,
-            dynamic_ncols=True,
-        )
-        started_at = time.time()
-        t0 = time.perf_counter()
+        rec = Recorder(len(requests), progress)
 
         async def one(index: int, scheduled: float | None) -> None:
-            nonlocal dropped
             spec = requests[index]
             if tags.over(spec.while_tag):
-                dropped += 1
-                bar.total -= 1  # a dropped request is not progress
-                bar.refresh()
+                rec.drop(1)
             else:
-                records.append(
+                rec.add(
                     await send_request(
                         session,
                         root,
@@ -130,11 +117,10 @@ async def run_benchmark(
                         index=index,
                         model=model,
                         opts=opts,
-                        t0=t0,
+                        t0=rec.t0,
                         scheduled_s=scheduled,
                     )
                 )
-                bar.update(1)
             tags.finished(spec.tag)
 
         try:
@@ -145,24 +131,54 @@ async def run_benchmark(
                     offsets = open_loop_offsets(arrival, len(requests))
                 else:
                     offsets = [r.start_offset_s or 0.0 for r in requests]
-                await _open_loop(requests, offsets, t0, tags, one)
+                await _open_loop(requests, offsets, rec.t0, tags, one)
         finally:
-            bar.close()
-    records.sort(key=lambda r: r.index)
-    run_config: dict[str, Any] = {
-        "base_url": base_url,
-        "model": model,
-        "endpoint": endpoint,
-        "prompt_format": prompt_format if endpoint == "completions" else "text",
-        "ignore_eos": ignore_eos,
-        "timeout_s": timeout_s,
-        "arrival": describe(arrival),
-        "num_requests": len(requests),
-        "dropped": dropped,
-        **(config or {}),
-    }
-    duration = max((r.end_s for r in records), default=0.0)
-    return BenchResult(tuple(records), duration, started_at, run_config)
+            rec.bar.close()
+    return rec.result(
+        {
+            "base_url": base_url,
+            "model": model,
+            "endpoint": endpoint,
+            "prompt_format": prompt_format if endpoint == "completions" else "text",
+            "ignore_eos": ignore_eos,
+            "timeout_s": timeout_s,
+            "arrival": describe(arrival),
+            "num_requests": len(requests),
+            "dropped": rec.dropped,
+            **(config or {}),
+        }
+    )
+
+
+class Recorder:
+    """A run's records as they come, the requests it dropped, its progress bar on stderr
+    (``progress``) and its clocks: ``started_at`` (wall) and ``t0`` (``perf_counter``, the
+    zero of every record's times)."""
+
+    def __init__(self, total: int, progress: bool) -> None:
+        self.records: list[RequestRecord] = []
+        self.dropped = 0
+        self.bar = tqdm(
+            total=total, disable=not progress, unit="req", file=sys.stderr, dynamic_ncols=True
+        )
+        self.started_at = time.time()
+        self.t0 = time.perf_counter()
+
+    def add(self, record: RequestRecord) -> None:
+        self.records.append(record)
+        self.bar.update(1)
+
+    def drop(self, n: int) -> None:
+        """``n`` requests will not be sent: they are not progress."""
+        self.dropped += n
+        self.bar.total -= n
+        self.bar.refresh()
+
+    def result(self, config: dict[str, Any]) -> BenchResult:
+        """The records in index order; the run lasted until the last one ended."""
+        records = sorted(self.records, key=lambda r: r.index)
+        duration = max((r.end_s for r in records), default=0.0)
+        return BenchResult(tuple(records), duration, self.started_at, config)
 
 
 async def closed_loop(n: int, limit: int, one: Callable[[int], Awaitable[None]]) -> None:

@@ -16,17 +16,13 @@ conversation takes a turn, so its KV has long left a small pool by then.
 from __future__ import annotations
 
 import itertools
-import sys
-import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
-
-from tqdm import tqdm
 
 from bench.serve.arrival import Concurrency, describe
 from bench.serve.client import ClientOptions, http_session, send_request
-from bench.serve.result import BenchResult, RequestRecord
-from bench.serve.runner import closed_loop, fetch_model, root_url
+from bench.serve.result import BenchResult
+from bench.serve.runner import Recorder, closed_loop, fetch_model, root_url
 from bench.serve.sessions import Session, turn_request
 
 
@@ -56,19 +52,12 @@ async def run_sessions(
     async with http_session() as http:
         if model is None:
             model = await fetch_model(http, root, timeout_s)
-        records: list[RequestRecord] = []
-        dropped = 0
-        bar = tqdm(total=total, disable=not progress, unit="req", file=sys.stderr,
-                   dynamic_ncols=True)  # fmt: skip
-        started_at = time.time()
-        t0 = time.perf_counter()
-
+        rec = Recorder(total, progress)
         answers: list[list[str]] = [[] for _ in sessions]
         failed: set[int] = set()
 
         async def take_turn(i: int, turn: int) -> bool:
             """Session ``i``'s turn ``turn``; False when it failed (the session ends)."""
-            nonlocal dropped
             session = sessions[i]
             record = await send_request(
                 http,
@@ -77,15 +66,12 @@ async def run_sessions(
                 index=first_index[i] + turn,
                 model=model,
                 opts=opts,
-                t0=t0,
+                t0=rec.t0,
             )
-            records.append(record)
-            bar.update(1)
+            rec.add(record)
             if not record.ok:
                 failed.add(i)
-                dropped += session.turns - turn - 1
-                bar.total -= session.turns - turn - 1
-                bar.refresh()
+                rec.drop(session.turns - turn - 1)
                 return False
             answers[i].append(record.output_text or "")
             return True
@@ -97,31 +83,41 @@ async def run_sessions(
 
         try:
             if rounds:
-                for turn in range(max((s.turns for s in sessions), default=0)):
-                    due = [i for i, s in enumerate(sessions) if turn < s.turns and i not in failed]
-
-                    async def one(k: int, turn: int = turn, due: list[int] = due) -> None:
-                        await take_turn(due[k], turn)
-
-                    await closed_loop(len(due), concurrency, one)
+                await _in_rounds(sessions, failed, concurrency, take_turn)
             else:
                 await closed_loop(len(sessions), concurrency, converse)
         finally:
-            bar.close()
-    records.sort(key=lambda r: r.index)
-    run_config: dict[str, Any] = {
-        "base_url": base_url,
-        "model": model,
-        "endpoint": "chat",
-        "prompt_format": "text",
-        "ignore_eos": ignore_eos,
-        "timeout_s": timeout_s,
-        "arrival": {**describe(Concurrency(concurrency)), "of": "sessions"},
-        "turn_order": "rounds" if rounds else "sessions",
-        "num_requests": total,
-        "num_sessions": len(sessions),
-        "dropped": dropped,
-        **(config or {}),
-    }
-    duration = max((r.end_s for r in records), default=0.0)
-    return BenchResult(tuple(records), duration, started_at, run_config)
+            rec.bar.close()
+    return rec.result(
+        {
+            "base_url": base_url,
+            "model": model,
+            "endpoint": "chat",
+            "prompt_format": "text",
+            "ignore_eos": ignore_eos,
+            "timeout_s": timeout_s,
+            "arrival": {**describe(Concurrency(concurrency)), "of": "sessions"},
+            "turn_order": "rounds" if rounds else "sessions",
+            "num_requests": total,
+            "num_sessions": len(sessions),
+            "dropped": rec.dropped,
+            **(config or {}),
+        }
+    )
+
+
+async def _in_rounds(
+    sessions: Sequence[Session],
+    failed: set[int],
+    concurrency: int,
+    take_turn: Callable[[int, int], Awaitable[bool]],
+) -> None:
+    """Every session's turn k before any session's turn k+1, up to ``concurrency`` at once;
+    a session in ``failed`` takes no more turns."""
+    for turn in range(max((s.turns for s in sessions), default=0)):
+        due = [i for i, s in enumerate(sessions) if turn < s.turns and i not in failed]
+
+        async def one(k: int, turn: int = turn, due: list[int] = due) -> None:
+            await take_turn(due[k], turn)
+
+        await closed_loop(len(due), concurrency, one)

@@ -1,4 +1,4 @@
-"""bench.gpu_engine on the CPU with a tiny model: it times decode steps at each batch size
+"""bench.gpu.engine on the CPU with a tiny model: it times decode steps at each batch size
 and a prefill, and says what it ran on (the figures of record come from a GPU)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu_engine
+from bench.gpu import engine as gpu_engine
 from tests.engine.tiny_models import write_tiny_hf_checkpoint
 
 
@@ -36,7 +36,7 @@ def test_nonsense_sizes_are_refused(capsys) -> None:
 
 
 def test_the_report_tables_what_ran_and_says_what_did_not(tmp_path: Path, capsys) -> None:
-    from bench import gpu_report
+    from bench.gpu import report as gpu_report
 
     assert gpu_report.main([str(tmp_path)]) == 0
     assert capsys.readouterr().out.count("not run") == 4

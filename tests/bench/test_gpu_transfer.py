@@ -1,4 +1,4 @@
-"""bench.gpu_transfer on the CPU: the staged path into a peer process's shm and tcp regions,
+"""bench.gpu.transfer on the CPU: the staged path into a peer process's shm and tcp regions,
 every byte checked there; what needs a GPU is refused with the reason."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench import gpu_report, gpu_transfer
+from bench.gpu import report as gpu_report
+from bench.gpu import transfer as gpu_transfer
 
 
 def test_it_moves_checks_and_times_each_transport(tmp_path: Path, capsys) -> None:

@@ -1,4 +1,4 @@
-"""bench.gpu_kernels on tiny shapes under the interpreter: it measures, and it refuses to
+"""bench.gpu.kernels on tiny shapes under the interpreter: it measures, and it refuses to
 report a kernel whose output disagrees with the reference."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kernels.triton.decode_attention as decode_attention
-from bench import gpu_kernels
+from bench.gpu import kernels as gpu_kernels
 from kernels.triton.checks import interpreting
 
 TINY = ["--batch", "2", "--context", "40", "--heads", "6", "--kv-heads", "2", "--head-dim",

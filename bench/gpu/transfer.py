@@ -1,8 +1,8 @@
 """KV transfer from a GPU engine's pool, per transport: the path a prefill worker on a GPU
 takes, without the model.
 
-    python -m bench.gpu_transfer --json gpu-transfer.json          # cuda, bf16
-    python -m bench.gpu_transfer --device cpu --tokens 64 --repeats 2 --transports shm tcp
+    python -m bench.gpu.transfer --json gpu-transfer.json          # cuda, bf16
+    python -m bench.gpu.transfer --device cpu --tokens 64 --repeats 2 --transports shm tcp
 
 One request's KV in the default model's layout (30 layers, 3 KV heads, head dim 64,
 16-token blocks), in the device pool of this process. A spawned peer process registers one
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_transfer", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.gpu.transfer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

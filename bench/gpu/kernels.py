@@ -1,7 +1,7 @@
 """Triton paged decode attention against the device's copy bandwidth (issue 17's target).
 
-    python -m bench.gpu_kernels                      # cuda: batch 64, context 4096, bf16
-    TRITON_INTERPRET=1 python -m bench.gpu_kernels --device cpu --batch 2 --context 40 ...
+    python -m bench.gpu.kernels                      # cuda: batch 64, context 4096, bf16
+    TRITON_INTERPRET=1 python -m bench.gpu.kernels --device cpu --batch 2 --context 40 ...
 
 Decode attention reads every cached key and value once, so its speed limit is memory
 bandwidth. The figure is the kernel's achieved read bandwidth (K and V bytes of every
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_kernels", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.gpu.kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch", type=int, default=64)

@@ -1,7 +1,7 @@
 """The engine's step times on one device: decode at several batch sizes, and prefill.
 
-    python -m bench.gpu_engine --json gpu-engine.json          # cuda, bf16, the default model
-    python -m bench.gpu_engine --device cpu --batches 1 2 --context 64 --prefill-tokens 64 --iters 2
+    python -m bench.gpu.engine --json gpu-engine.json          # cuda, bf16, the default model
+    python -m bench.gpu.engine --device cpu --batches 1 2 --context 64 --prefill-tokens 64 --iters 2
 
 Decode: ``batch`` sequences, each with ``context`` prompt tokens already prefilled, step
 together; the figure is the median seconds of one engine step (forward, sampling and the
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_engine", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.gpu.engine", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")

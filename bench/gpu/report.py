@@ -1,7 +1,7 @@
 """The GPU check's table: ``scripts/gpu_check.sh`` writes JSON files into one folder, and
 this turns whichever of them exist into one markdown table (what did not run says so).
 
-    python -m bench.gpu_report gpu-check/ > gpu-check/summary.md
+    python -m bench.gpu.report gpu-check/ > gpu-check/summary.md
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def rows(folder: Path) -> list[list[str]]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or not Path(args[0]).is_dir():
-        print("usage: python -m bench.gpu_report FOLDER", file=sys.stderr)
+        print("usage: python -m bench.gpu.report FOLDER", file=sys.stderr)
         return 2
     print(markdown_table(["check", "result"], rows(Path(args[0]))))
     return 0
