@@ -19,9 +19,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -29,11 +28,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.errors import EngineError, ResourceExhaustedError
-from engine.top_logprobs import TopLogprobs
 from services.gateway import openai_responses as out
-from services.gateway import tools
 from services.gateway.admission import retry_after_header
-from services.gateway.backend import BackendUnavailableError, GenerateChunk, GenerateInput, ServedBy
+from services.gateway.backend import BackendUnavailableError, GenerateChunk, GenerateInput
 from services.gateway.choices import choice_inputs, merged
 from services.gateway.openai_api import (
     ApiError,
@@ -42,13 +39,16 @@ from services.gateway.openai_api import (
     bad_request,
     check_prompt_size,
     decode_json_body,
-    echo_text,
     from_engine_error,
     lookup,
-    parse_chat,
-    parse_completion,
-    prepare_chat,
-    prepare_completion,
+)
+from services.gateway.openai_endpoints import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    Endpoint,
+    Reply,
+    Results,
+    Shape,
 )
 from services.gateway.served_model import ServedModel
 from services.gateway.service import GatewayService, new_request_id
@@ -214,57 +214,6 @@ def _generations(
     )
 
 
-@dataclass
-class _Result:
-    """One choice's whole generation, for non-streaming responses."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[TopLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-
-
-@dataclass
-class _Results:
-    """Every choice of a whole response: results by index, the last chunk of each."""
-
-    choices: list[_Result]
-    last: dict[int, GenerateChunk] = field(default_factory=dict)
-
-    @property
-    def usage(self) -> dict[str, Any]:
-        return _usage(self.last)
-
-    @property
-    def served_by(self) -> ServedBy:
-        return self.last[0].served_by if 0 in self.last else ServedBy()
-
-
-def _usage(last: dict[int, GenerateChunk]) -> dict[str, Any]:
-    """One request's usage over its choices: the prompt counted once (choice 0's cached
-    tokens), every choice's completion tokens."""
-    first = last[min(last)]
-    completion = sum(c.completion_tokens for c in last.values())
-    return out.usage(first.prompt_tokens, completion, first.cached_tokens)
-
-
-async def _collect(stream: AsyncIterator[Choice], n: int, prompt_param: str) -> _Results:
-    results = _Results([_Result() for _ in range(n)])
-    parts: list[list[str]] = [[] for _ in range(n)]
-    async for i, c in _chunks(stream, prompt_param):
-        r = results.choices[i]
-        parts[i].append(c.text_delta)
-        r.token_ids.extend(c.token_ids)
-        r.logprobs.extend(c.logprobs)
-        r.top_logprobs.extend(c.top_logprobs)
-        r.finish_reason = c.finish_reason
-        results.last[i] = c
-    for r, p in zip(results.choices, parts, strict=True):
-        r.text = "".join(p)
-    return results
-
-
 async def _sse_response(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(
         headers={
@@ -331,29 +280,26 @@ class _Relay:
 
 
 async def _run_stream(
-    relay: _Relay,
-    frames: Callable[[int, GenerateChunk], list[dict[str, Any]]],
-    usage_frame: Callable[[dict[int, GenerateChunk]], dict[str, Any]] | None,
-    intro: Sequence[dict[str, Any]] = (),
-    started: Callable[[], None] | None = None,
+    relay: _Relay, shape: Shape[Any], started: Callable[[], None]
 ) -> web.StreamResponse:
-    """Send ``intro``, then each chunk's ``frames`` (by choice index), the usage frame, and
-    ``[DONE]``; ``started`` runs once the first chunk's frames are written (e.g. a log
-    line, which should not delay the first token)."""
+    """Send the shape's intro, each chunk's frames, the usage frame (when asked for) and
+    ``[DONE]``; ``started`` runs once the first chunk's frames are written (a log line,
+    which should not delay the first token)."""
     last: dict[int, GenerateChunk] = {}
     try:
         try:
-            for frame in intro:
+            for frame in shape.intro():
                 await relay.send(frame)
             async for i, c in relay.all():
                 first = not last
                 last[i] = c
-                for frame in frames(i, c):
+                for frame in shape.frames(i, c):
                     await relay.send(frame)
-                if first and started is not None:
+                if first:
                     started()
-            if usage_frame is not None and last:
-                await relay.send(usage_frame(last))
+            usage = shape.usage_frame(last) if last else None
+            if usage is not None:
+                await relay.send(usage)
         except _StreamFailed as exc:
             log.warning("stream_failed", error=str(exc))
             await relay.send(out.stream_error(str(exc)))
@@ -377,187 +323,44 @@ def _check_choices(service: GatewayService, n: int) -> None:
         raise bad_request(f"'n'={n} exceeds this server's {cap} concurrent generations.", "n")
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    received_at = time.monotonic()
-    service = request.app[SERVICE_KEY]
-    req = parse_completion(await _read_json(request), service.models)
-    _check_serving(service)
-    _check_choices(service, req.n)
-    model = lookup(service.models, req.model)
-    _check_size(service, req, model)
-    rid = new_request_id("cmpl")
-    async with _admitted(request, rid, req.n):
-        inp = await service.prepare(prepare_completion, req, model, rid, service.limits)
-        created = int(time.time())
-        tok = model.tokenizer
-        echo = echo_text(req, model)
-        stream = _generations(service, inp, req.n, received_at)
-        async with aclosing(stream):  # type: ignore[type-var]
-            if not req.stream:
-                r = await _collect_or_500(stream, req.n, "prompt")
-                choices = [
-                    out.completion_choice(
-                        i,
-                        echo + c.text,
-                        c.finish_reason,
-                        out.completion_logprobs(
-                            tok, c.token_ids, c.logprobs, len(echo), c.top_logprobs
-                        )
-                        if inp.params.logprobs
-                        else None,
-                    )
-                    for i, c in enumerate(r.choices)
-                ]
-                ext = out.extension(r.served_by)
-                return _json(out.completion(rid, created, model.name, choices, r.usage, ext))
-            offsets = [0] * req.n
-            echoes = [echo] * req.n  # each choice's first frame leads with the echoed prompt
-
-            def frames(i: int, c: GenerateChunk) -> list[dict[str, Any]]:
-                text, echoes[i] = echoes[i] + c.text_delta, ""
-                lp = None
-                if inp.params.logprobs:
-                    lp = out.completion_logprobs(
-                        tok, c.token_ids, c.logprobs, offsets[i] + len(text) - len(c.text_delta),
-                        c.top_logprobs,
-                    )  # fmt: skip
-                offsets[i] += len(text)
-                if not text and c.finish_reason is None and lp is None:
-                    return []
-                choice = out.completion_choice(i, text, c.finish_reason, lp)
-                return [out.completion(rid, created, model.name, [choice])]
-
-            relay = _Relay(request, stream, "prompt")
-            await relay.start()
-            return await _run_stream(
-                relay,
-                frames,
-                _usage_frame(rid, created, inp, "text_completion", req),
-                started=lambda: log.info(
-                    "completion_started", prompt_tokens=len(inp.prompt_token_ids)
-                ),
-            )
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    received_at = time.monotonic()
-    service = request.app[SERVICE_KEY]
-    req = parse_chat(await _read_json(request), service.models)
-    _check_serving(service)
-    _check_choices(service, req.n)
-    model = lookup(service.models, req.model)
-    _check_size(service, req, model)
-    rid = new_request_id("chatcmpl")
-    async with _admitted(request, rid, req.n):
-        inp = await service.prepare(prepare_chat, req, model, rid, service.limits)
-        created = int(time.time())
-        tok = model.tokenizer
-        stream = _generations(service, inp, req.n, received_at)
-        async with aclosing(stream):  # type: ignore[type-var]
-            if not req.stream:
-                r = await _collect_or_500(stream, req.n, "messages")
-                choices = [
-                    out.chat_choice(
-                        i,
-                        *_assistant_message(req.tools, c.text, c.finish_reason),
-                        out.chat_logprobs(tok, c.token_ids, c.logprobs, c.top_logprobs)
-                        if inp.params.logprobs
-                        else None,
-                    )
-                    for i, c in enumerate(r.choices)
-                ]
-                ext = out.extension(r.served_by)
-                return _json(out.chat_completion(rid, created, model.name, choices, r.usage, ext))
-
-            spec = req.tools
-            readers = [tools.ToolStream(spec) for _ in range(req.n)] if spec else []
-
-            def frames(i: int, c: GenerateChunk) -> list[dict[str, Any]]:
-                lp = (
-                    out.chat_logprobs(tok, c.token_ids, c.logprobs, c.top_logprobs)
-                    if inp.params.logprobs
-                    else None
-                )
-                finish = c.finish_reason
-                if spec is None:
-                    deltas = [{"content": c.text_delta}] if c.text_delta or lp is not None else []
-                else:
-                    events = readers[i].feed(c.text_delta) if c.text_delta else []
-                    if finish is not None:
-                        events += readers[i].finish()
-                        finish = _finish_reason(spec, readers[i].calls, finish)
-                    deltas = [tools.delta_for(e) for e in events]
-                    if lp is not None and not deltas:
-                        deltas = [{}]
-                result = [
-                    out.chat_chunk(rid, created, model.name, d, None, lp if j == 0 else None, i)
-                    for j, d in enumerate(deltas)
-                ]
-                if finish is not None:
-                    result.append(out.chat_chunk(rid, created, model.name, {}, finish, index=i))
-                return result
-
-            relay = _Relay(request, stream, "messages")
-            await relay.start()
-            role = {"role": "assistant", "content": ""}
-            intro = [
-                out.chat_chunk(rid, created, model.name, role, None, index=i) for i in range(req.n)
-            ]
-            return await _run_stream(
-                relay,
-                frames,
-                _usage_frame(rid, created, inp, "chat.completion.chunk", req),
-                intro,
-                started=lambda: log.info(
-                    "chat_completion_started", prompt_tokens=len(inp.prompt_token_ids)
-                ),
-            )
-
-
-def _assistant_message(
-    spec: tools.ToolSpec | None, text: str, finish_reason: str | None
-) -> tuple[dict[str, Any], str | None]:
-    """A whole choice's assistant message (its ``tool_calls`` parsed out when the request
-    has tools) and its finish reason."""
-    if spec is None:
-        return {"role": "assistant", "content": text}, finish_reason
-    content, calls = tools.read_whole(spec, text)
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = [c.to_openai() for c in calls]
-    return message, _finish_reason(spec, calls, finish_reason)
-
-
-def _finish_reason(
-    spec: tools.ToolSpec, calls: Sequence[tools.ToolCall], finish_reason: str | None
-) -> str | None:
-    """``stop`` becomes ``tool_calls`` when the turn called tools (OpenAI's convention)."""
-    if calls and finish_reason == "stop":
-        return spec.finish_reason_for_calls
-    return finish_reason
-
-
-def _usage_frame(
-    rid: str, created: int, inp: GenerateInput, obj: str, req: CompletionRequest | ChatRequest
-) -> Callable[[dict[int, GenerateChunk]], dict[str, Any]] | None:
-    if not req.include_usage:
-        return None
-
-    def frame(last: dict[int, GenerateChunk]) -> dict[str, Any]:
-        served_by = last[0].served_by if 0 in last else ServedBy()
-        return out.usage_chunk(rid, created, inp.model, obj, _usage(last), out.extension(served_by))
-
-    return frame
-
-
-async def _collect_or_500(stream: AsyncIterator[Choice], n: int, prompt_param: str) -> _Results:
+async def _collect(stream: AsyncIterator[Choice], n: int, prompt_param: str) -> Results:
+    """Every choice's whole generation; a failure is a 500 (nothing was sent yet)."""
+    results = Results.of(n)
     try:
-        r = await _collect(stream, n, prompt_param)
+        async for i, c in _chunks(stream, prompt_param):
+            results.add(i, c)
     except _StreamFailed as exc:
         raise ApiError(500, f"Generation failed: {exc}", "server_error") from exc
-    if any(c.finish_reason == "error" for c in r.choices):
+    if any(c.finish_reason == "error" for c in results.choices):
         raise ApiError(500, "Generation failed in the backend.", "server_error")
-    return r
+    return results
+
+
+async def _generate(endpoint: Endpoint[Any], request: web.Request) -> web.StreamResponse:
+    """The request path of both generation endpoints (``openai_endpoints`` holds what
+    differs): parse -> draining, ``n``, model and size checks -> admission -> template and
+    tokenize off the loop -> ``n`` generations -> one whole response or an SSE stream."""
+    received_at = time.monotonic()
+    service = request.app[SERVICE_KEY]
+    req = endpoint.parse(await _read_json(request), service.models)
+    _check_serving(service)
+    _check_choices(service, req.n)
+    model = lookup(service.models, req.model)
+    _check_size(service, req, model)
+    rid = new_request_id(endpoint.id_prefix)
+    async with _admitted(request, rid, req.n):
+        inp = await service.prepare(endpoint.prepare, req, model, rid, service.limits)
+        shape = endpoint.shape(Reply(rid, int(time.time()), model, inp, req))
+        stream = _generations(service, inp, req.n, received_at)
+        async with aclosing(stream):  # type: ignore[type-var]
+            if not req.stream:
+                return _json(shape.whole(await _collect(stream, req.n, endpoint.prompt_param)))
+            relay = _Relay(request, stream, endpoint.prompt_param)
+            await relay.start()
+            prompt_tokens = len(inp.prompt_token_ids)
+            return await _run_stream(
+                relay, shape, lambda: log.info(endpoint.started_event, prompt_tokens=prompt_tokens)
+            )
 
 
 async def models(request: web.Request) -> web.Response:
@@ -601,8 +404,8 @@ def create_app(
     app[SERVICE_KEY] = service
     app[MAX_BODY_KEY] = max_body_bytes
     app[WRITE_TIMEOUT_KEY] = write_timeout_s
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", functools.partial(_generate, COMPLETIONS))
+    app.router.add_post("/v1/chat/completions", functools.partial(_generate, CHAT_COMPLETIONS))
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
