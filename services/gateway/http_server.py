@@ -5,8 +5,11 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE wh
 ``GET /metrics`` (Prometheus text). Every error, including 404/405/413 from aiohttp
 itself, is OpenAI's JSON error object with a 4xx/5xx status.
 
-A request's errors surface before any byte of the response: the handler waits for the
-backend's first chunk before it sends the 200 and the SSE headers. A client that
+Both generation routes take one request path (``_generate``); what differs between them is
+``openai_endpoints`` (parsing, prompt building, response and chunk shapes), and
+``http_relay`` answers whole or streams. A request's errors surface before any byte of the
+response: the handler waits for the backend's first chunk before it sends the 200 and the
+SSE headers. A client that
 disconnects cancels its handler (``handler_cancellation``), which closes the backend
 stream and so aborts the request; so does one that stops reading: a stream write that waits
 longer than the write timeout cuts the connection. Generations go through the service's
@@ -27,11 +30,12 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from engine.errors import EngineError, ResourceExhaustedError
+from engine.errors import ResourceExhaustedError
 from services.gateway import openai_responses as out
 from services.gateway.admission import retry_after_header
-from services.gateway.backend import BackendUnavailableError, GenerateChunk, GenerateInput
+from services.gateway.backend import BackendUnavailableError, GenerateInput
 from services.gateway.choices import choice_inputs, merged
+from services.gateway.http_relay import Choice, SseRelay, collect
 from services.gateway.openai_api import (
     ApiError,
     ChatRequest,
@@ -42,14 +46,7 @@ from services.gateway.openai_api import (
     from_engine_error,
     lookup,
 )
-from services.gateway.openai_endpoints import (
-    CHAT_COMPLETIONS,
-    COMPLETIONS,
-    Endpoint,
-    Reply,
-    Results,
-    Shape,
-)
+from services.gateway.openai_endpoints import CHAT_COMPLETIONS, COMPLETIONS, Endpoint, Reply
 from services.gateway.served_model import ServedModel
 from services.gateway.service import GatewayService, new_request_id
 
@@ -59,14 +56,6 @@ SERVICE_KEY: web.AppKey[GatewayService] = web.AppKey("service", GatewayService)
 MAX_BODY_KEY: web.AppKey[int] = web.AppKey("max_body_bytes", int)
 WRITE_TIMEOUT_KEY: web.AppKey[float] = web.AppKey("write_timeout_s", float)
 _CLIENT_CLOSED = 499  # nginx's code for "client closed request", for metrics only
-
-
-class _StreamFailed(Exception):
-    """The backend failed after the response started; the stream reports it in-band."""
-
-
-class _SlowReader(Exception):
-    """A stream write waited past the write timeout: the client stopped reading."""
 
 
 def _json(obj: dict[str, Any], status: int = 200) -> web.Response:
@@ -183,157 +172,11 @@ def _check_serving(service: GatewayService) -> None:
         )
 
 
-Choice = tuple[int, GenerateChunk]  # a chunk of one of a request's n choices
-
-
-async def _chunks(stream: AsyncIterator[Choice], prompt_param: str) -> AsyncIterator[Choice]:
-    """``stream``'s chunks until every choice has finished. Errors before the first chunk
-    raise ``ApiError``; later ones raise ``_StreamFailed`` (the response has started)."""
-    started = False
-    try:
-        async for item in stream:
-            started = True
-            yield item
-    except EngineError as exc:
-        if not started:
-            raise from_engine_error(exc, prompt_param) from None
-        raise _StreamFailed(str(exc)) from exc
-    except Exception as exc:
-        if not started:
-            raise  # a server fault before the response started: the middleware's 500
-        log.exception("backend_stream_failed")
-        raise _StreamFailed(f"internal error ({type(exc).__name__})") from exc
-
-
-def _generations(
-    service: GatewayService, inp: GenerateInput, n: int, received_at: float
-) -> AsyncIterator[Choice]:
-    """The request's ``n`` choices' chunks, merged (``choices.merged``)."""
-    return merged(
-        [functools.partial(service.generate, c, received_at) for c in choice_inputs(inp, n)]
-    )
-
-
-async def _sse_response(request: web.Request) -> web.StreamResponse:
-    resp = web.StreamResponse(
-        headers={
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",  # proxies must not buffer a token stream
-        }
-    )
-    await resp.prepare(request)
-    return resp
-
-
-class _Relay:
-    """Streams one request's generations as SSE, started only once the first chunk is in
-    hand."""
-
-    def __init__(
-        self,
-        request: web.Request,
-        stream: AsyncIterator[Choice],
-        prompt_param: str,
-    ) -> None:
-        self.request = request
-        self.write_timeout_s = request.app[WRITE_TIMEOUT_KEY]
-        self.chunks = aiter(_chunks(stream, prompt_param))
-        self.first: Choice | None = None
-        self.resp: web.StreamResponse | None = None
-
-    async def start(self) -> None:
-        """Wait for the first chunk (errors raise ``ApiError``), then send the headers."""
-        self.first = await anext(self.chunks)
-        self.resp = await _sse_response(self.request)
-
-    async def all(self) -> AsyncIterator[Choice]:
-        """Every chunk, the first included, up to the last."""
-        assert self.first is not None
-        yield self.first
-        async for c in self.chunks:
-            yield c
-
-    async def send(self, obj: dict[str, Any] | bytes) -> None:
-        assert self.resp is not None
-        await self._timed(self.resp.write(obj if isinstance(obj, bytes) else out.sse(obj)))
-
-    async def finish(self) -> web.StreamResponse:
-        assert self.resp is not None
-        await self._timed(self.resp.write_eof())
-        return self.resp
-
-    async def _timed(self, write: Awaitable[None]) -> None:
-        # A write waits only when the socket's buffers are full: the client is not reading.
-        try:
-            async with asyncio.timeout(self.write_timeout_s):
-                await write
-        except TimeoutError:
-            raise _SlowReader from None
-
-    def cut(self) -> web.StreamResponse:
-        """Drop the connection of a client that stopped reading (its unsent bytes too)."""
-        assert self.resp is not None
-        if self.request.transport is not None:
-            self.request.transport.abort()
-        return self.resp
-
-
-async def _run_stream(
-    relay: _Relay, shape: Shape[Any], started: Callable[[], None]
-) -> web.StreamResponse:
-    """Send the shape's intro, each chunk's frames, the usage frame (when asked for) and
-    ``[DONE]``; ``started`` runs once the first chunk's frames are written (a log line,
-    which should not delay the first token)."""
-    last: dict[int, GenerateChunk] = {}
-    try:
-        try:
-            for frame in shape.intro():
-                await relay.send(frame)
-            async for i, c in relay.all():
-                first = not last
-                last[i] = c
-                for frame in shape.frames(i, c):
-                    await relay.send(frame)
-                if first:
-                    started()
-            usage = shape.usage_frame(last) if last else None
-            if usage is not None:
-                await relay.send(usage)
-        except _StreamFailed as exc:
-            log.warning("stream_failed", error=str(exc))
-            await relay.send(out.stream_error(str(exc)))
-        await relay.send(out.SSE_DONE)
-        return await relay.finish()
-    except ConnectionResetError:
-        # The client left between two writes (the handler was not cancelled first).
-        log.info("client_disconnected")
-        assert relay.resp is not None
-        return relay.resp
-    except _SlowReader:
-        log.warning("slow_reader_cut", write_timeout_s=relay.write_timeout_s)
-        relay.request.app[SERVICE_KEY].metrics.count_refusal("slow_reader")
-        return relay.cut()
-
-
 def _check_choices(service: GatewayService, n: int) -> None:
     """``n`` choices hold ``n`` admission slots: more than the cap could never start."""
     cap = service.admission.limits.max_concurrent
     if n > cap:
         raise bad_request(f"'n'={n} exceeds this server's {cap} concurrent generations.", "n")
-
-
-async def _collect(stream: AsyncIterator[Choice], n: int, prompt_param: str) -> Results:
-    """Every choice's whole generation; a failure is a 500 (nothing was sent yet)."""
-    results = Results.of(n)
-    try:
-        async for i, c in _chunks(stream, prompt_param):
-            results.add(i, c)
-    except _StreamFailed as exc:
-        raise ApiError(500, f"Generation failed: {exc}", "server_error") from exc
-    if any(c.finish_reason == "error" for c in results.choices):
-        raise ApiError(500, "Generation failed in the backend.", "server_error")
-    return results
 
 
 async def _generate(endpoint: Endpoint[Any], request: web.Request) -> web.StreamResponse:
@@ -354,13 +197,28 @@ async def _generate(endpoint: Endpoint[Any], request: web.Request) -> web.Stream
         stream = _generations(service, inp, req.n, received_at)
         async with aclosing(stream):  # type: ignore[type-var]
             if not req.stream:
-                return _json(shape.whole(await _collect(stream, req.n, endpoint.prompt_param)))
-            relay = _Relay(request, stream, endpoint.prompt_param)
+                return _json(shape.whole(await collect(stream, req.n, endpoint.prompt_param)))
+            relay = SseRelay(
+                request,
+                stream,
+                endpoint.prompt_param,
+                request.app[WRITE_TIMEOUT_KEY],
+                lambda: service.metrics.count_refusal("slow_reader"),
+            )
             await relay.start()
             prompt_tokens = len(inp.prompt_token_ids)
-            return await _run_stream(
-                relay, shape, lambda: log.info(endpoint.started_event, prompt_tokens=prompt_tokens)
+            return await relay.run(
+                shape, lambda: log.info(endpoint.started_event, prompt_tokens=prompt_tokens)
             )
+
+
+def _generations(
+    service: GatewayService, inp: GenerateInput, n: int, received_at: float
+) -> AsyncIterator[Choice]:
+    """The request's ``n`` choices' chunks, merged (``choices.merged``)."""
+    return merged(
+        [functools.partial(service.generate, c, received_at) for c in choice_inputs(inp, n)]
+    )
 
 
 async def models(request: web.Request) -> web.Response:
