@@ -19,6 +19,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
+from engine.tokenizer import Tokenizer
 from engine.top_logprobs import TopLogprobs
 from services.gateway import openai_responses as out
 from services.gateway import tools
@@ -130,6 +131,16 @@ class Shape(ABC, Generic[R]):
     def whole(self, results: Results) -> Frame:
         """The whole response."""
 
+    def logprobs(self, t: _Tokens, text_offset: int = 0) -> dict[str, Any] | None:
+        """``t``'s logprobs object (``text_offset``: the length of the choice's text before
+        ``t``'s), or None when the request did not ask for logprobs."""
+        if not self.reply.inp.params.logprobs:
+            return None
+        return self._logprobs(self.reply.model.tokenizer, t, text_offset)
+
+    @abstractmethod
+    def _logprobs(self, tok: Tokenizer, t: _Tokens, text_offset: int) -> dict[str, Any]: ...
+
     def intro(self) -> list[Frame]:
         """The stream's frames before the first chunk's."""
         return []
@@ -160,16 +171,13 @@ class CompletionShape(Shape[CompletionRequest]):
         self.echoes = [self.echo] * n  # each choice's first frame leads with the echo
         self.offsets = [0] * n  # text sent so far per choice
 
-    def _logprobs(self, t: _Tokens, text_offset: int) -> dict[str, Any] | None:
-        if not self.reply.inp.params.logprobs:
-            return None
-        tok = self.reply.model.tokenizer
+    def _logprobs(self, tok: Tokenizer, t: _Tokens, text_offset: int) -> dict[str, Any]:
         return out.completion_logprobs(tok, t.token_ids, t.logprobs, text_offset, t.top_logprobs)
 
     def whole(self, results: Results) -> Frame:
         choices = [
             out.completion_choice(
-                i, self.echo + c.text, c.finish_reason, self._logprobs(c, len(self.echo))
+                i, self.echo + c.text, c.finish_reason, self.logprobs(c, len(self.echo))
             )
             for i, c in enumerate(results.choices)
         ]
@@ -180,7 +188,7 @@ class CompletionShape(Shape[CompletionRequest]):
 
     def frames(self, index: int, chunk: GenerateChunk) -> list[Frame]:
         text, self.echoes[index] = self.echoes[index] + chunk.text_delta, ""
-        lp = self._logprobs(chunk, self.offsets[index] + len(text) - len(chunk.text_delta))
+        lp = self.logprobs(chunk, self.offsets[index] + len(text) - len(chunk.text_delta))
         self.offsets[index] += len(text)
         if not text and chunk.finish_reason is None and lp is None:
             return []
@@ -199,10 +207,7 @@ class ChatShape(Shape[ChatRequest]):
         spec = reply.req.tools
         self.readers = [tools.ToolStream(spec) for _ in range(reply.req.n)] if spec else []
 
-    def _logprobs(self, t: _Tokens) -> dict[str, Any] | None:
-        if not self.reply.inp.params.logprobs:
-            return None
-        tok = self.reply.model.tokenizer
+    def _logprobs(self, tok: Tokenizer, t: _Tokens, text_offset: int) -> dict[str, Any]:
         return out.chat_logprobs(tok, t.token_ids, t.logprobs, t.top_logprobs)
 
     def _chunk(
@@ -218,9 +223,7 @@ class ChatShape(Shape[ChatRequest]):
     def whole(self, results: Results) -> Frame:
         spec = self.reply.req.tools
         choices = [
-            out.chat_choice(
-                i, *_assistant_message(spec, c.text, c.finish_reason), self._logprobs(c)
-            )
+            out.chat_choice(i, *_assistant_message(spec, c.text, c.finish_reason), self.logprobs(c))
             for i, c in enumerate(results.choices)
         ]
         r = self.reply
@@ -233,7 +236,7 @@ class ChatShape(Shape[ChatRequest]):
         return [self._chunk(i, role) for i in range(self.reply.req.n)]
 
     def frames(self, index: int, chunk: GenerateChunk) -> list[Frame]:
-        lp = self._logprobs(chunk)
+        lp = self.logprobs(chunk)
         deltas, finish = self._deltas(index, chunk, lp is not None)
         result = [self._chunk(index, d, None, lp if j == 0 else None) for j, d in enumerate(deltas)]
         if finish is not None:
