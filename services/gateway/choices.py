@@ -48,6 +48,17 @@ def choice_inputs(inp: GenerateInput, n: int) -> list[GenerateInput]:
     return out
 
 
+async def to_last(stream: AsyncIterator[GenerateChunk]) -> AsyncIterator[GenerateChunk]:
+    """``stream``'s chunks up to its last (the one with a finish reason), which ends it;
+    a stream that stops before it raises ``StreamEndedEarly``. Every edge reads a backend
+    stream through this (closing ``stream`` stays its caller's)."""
+    async for chunk in stream:
+        yield chunk
+        if chunk.finish_reason is not None:
+            return
+    raise StreamEndedEarly("the backend ended the stream without a finish reason")
+
+
 async def merged(
     streams: Sequence[Callable[[], AsyncIterator[GenerateChunk]]],
 ) -> AsyncIterator[tuple[int, GenerateChunk]]:
@@ -57,23 +68,18 @@ async def merged(
     stream ends the whole (it is raised here), and so does a stream that ends without its
     last chunk (``StreamEndedEarly``); closing this generator closes every stream."""
     if len(streams) == 1:
-        async for chunk in streams[0]():
+        async for chunk in to_last(streams[0]()):
             yield 0, chunk
-            if chunk.finish_reason is not None:
-                return
-        raise StreamEndedEarly("the backend ended the stream without a finish reason")
+        return
     queue: asyncio.Queue[tuple[int, GenerateChunk | Exception | None]] = asyncio.Queue()
     opened: list[AsyncIterator[GenerateChunk]] = []
     tasks: list[asyncio.Task[None]] = []
 
     async def pump(index: int, stream: AsyncIterator[GenerateChunk]) -> None:
         try:
-            async for chunk in stream:
+            async for chunk in to_last(stream):
                 queue.put_nowait((index, chunk))
-                if chunk.finish_reason is not None:
-                    queue.put_nowait((index, None))  # its last chunk: the choice is done
-                    return
-            raise StreamEndedEarly("the backend ended a stream without a finish reason")
+            queue.put_nowait((index, None))  # its last chunk is out: the choice is done
         except Exception as exc:  # handed to the consumer, which raises it
             queue.put_nowait((index, exc))
 

@@ -1,6 +1,7 @@
 """The disaggregated backend: the scheduler places a request, a decode worker streams it.
 
-Lifecycle: ``Place`` (scheduler: admission, prefill and decode worker choice, prefix-aware)
+Lifecycle: ``Place`` (scheduler: admission, prefill and decode worker choice, prefix-aware:
+the prompt's block hashes in the workers' block size, ``prefix_hashes``)
 -> ``DecodeWorker.Generate`` with the chosen prefill worker's address (the decode worker
 reserves KV, has the prefill worker fill it, then streams tokens) -> chunks to the client
 -> ``ReportOutcome`` to the scheduler (fire-and-forget: the scheduler is off the token path).
@@ -32,7 +33,6 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.block_hash import hash_blocks
 from engine.errors import InvalidRequestError, ResourceExhaustedError
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common import cluster_auth
@@ -51,6 +51,7 @@ from services.gateway.backend import (
     ServedBy,
 )
 from services.gateway.migration import Breakage, MigrationHistory, classify
+from services.gateway.prefix_hashes import PrefixHashes
 
 log = structlog.get_logger(__name__)
 
@@ -58,7 +59,6 @@ PLACE_TIMEOUT_S = 5.0
 # A migrating request was admitted already: when no worker has room for it now (its old
 # blocks may be held by a KV lease for a while), it waits this long for room, not a 429.
 MIGRATION_ROOM_WAIT_S = 60.0
-HASH_BLOCK_SIZE = 16
 
 
 def cluster_request_id(request_id: str) -> str:
@@ -167,6 +167,7 @@ class ClusterBackend:
             lambda address: cluster_auth.channel(address, options=self._worker_channel_options)
         )
         self._background = Background()
+        self.prefix_hashes = PrefixHashes(worker_model)
 
     def start(self) -> None:
         """Open the scheduler channel; call on the event loop that will use it."""
@@ -191,26 +192,30 @@ class ClusterBackend:
             return False
         return r.status == health_pb2.HealthCheckResponse.SERVING
 
-    async def _place(
-        self, req: GenerateInput, attempt: int, exclude: list[str]
+    async def place(
+        self, req: GenerateInput, attempt: int = 0, exclude: list[str] | None = None
     ) -> scheduler_pb2.Placement:
-        ids = list(req.prompt_token_ids)
+        """Ask the scheduler where attempt ``attempt`` of ``req`` runs, not on the workers
+        in ``exclude``; the prompt's block hashes go with it (``prefix_hashes``)."""
+        hashes, block_size = self.prefix_hashes.of(req.prompt_token_ids)
         try:
-            return await self._sched.Place(
+            placement = await self._sched.Place(
                 scheduler_pb2.PlaceRequest(
                     request_id=req.request_id,
                     attempt=attempt,
-                    exclude_worker_ids=exclude,
+                    exclude_worker_ids=exclude or [],
                     model=self.worker_model,
-                    prompt_tokens=len(ids),
+                    prompt_tokens=len(req.prompt_token_ids),
                     max_tokens=req.params.max_tokens,
-                    prompt_block_hashes=hash_blocks(ids, HASH_BLOCK_SIZE),
-                    hash_block_size=HASH_BLOCK_SIZE,
+                    prompt_block_hashes=hashes,
+                    hash_block_size=block_size,
                 ),
                 timeout=PLACE_TIMEOUT_S,
             )
         except grpc.aio.AioRpcError as e:
             raise _error_for(e, "scheduler") from e
+        self.prefix_hashes.learn(placement)
+        return placement
 
     async def generate(self, req: GenerateInput) -> AsyncIterator[GenerateChunk]:
         req = dataclasses.replace(req, request_id=cluster_request_id(req.request_id))
@@ -221,7 +226,7 @@ class ClusterBackend:
         room: _RoomWait | None = None  # set once migrating: waits for room instead of a 429
         for attempt in itertools.count():  # Place is idempotent per (request, attempt)
             try:
-                placement = await self._place(req, attempt, exclude)
+                placement = await self.place(req, attempt, exclude)
                 async for chunk in self._attempt(req, placement, attempt, received, arrival_ns):
                     received.extend(chunk.token_ids)
                     yield chunk

@@ -40,6 +40,7 @@ from services.common import process
 from services.gateway import grpc_convert as conv
 from services.gateway.admission import retry_after_s
 from services.gateway.backend import BackendUnavailableError, GenerateChunk, GenerateInput
+from services.gateway.choices import to_last
 from services.gateway.served_model import ContextLengthError, ServedModel
 from services.gateway.service import GatewayService, new_request_id
 
@@ -205,15 +206,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         with_ids = request.return_token_ids or params.logprobs
         stream = self.service.generate(inp, received_at)
         async with aclosing(stream):  # type: ignore[type-var]
+            chunks = to_last(stream)
             try:
-                chunk = await anext(stream)
-            except EngineError as exc:
+                chunk = await anext(chunks)
+            except EngineError as exc:  # StreamEndedEarly too: the backend sent nothing
                 raise _status_for(exc) from None
-            except StopAsyncIteration:
-                raise _Status(grpc.StatusCode.INTERNAL, "the backend sent nothing") from None
             first_at = time.monotonic()
             logged = False
-            async for ev in self._relay(rid, chunk, stream, with_ids, received_at, first_at):
+            async for ev in self._relay(rid, chunk, chunks, with_ids, received_at, first_at):
                 yield ev
                 if not logged:  # after the first event went out: a log write is no
                     # business of the first token's delivery (it may wait for the GIL)
@@ -238,9 +238,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 return
             yield ev
             try:
-                nxt = await anext(stream, None)
-                if nxt is None:
-                    raise RuntimeError("the backend ended the stream without a finish reason")
+                chunk = await anext(stream)  # to_last's: it raises if the stream ends early
             except Exception as exc:
                 log.warning("grpc_stream_failed", error=str(exc))
                 yield gateway_pb2.GenerateEvent(
@@ -258,7 +256,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     ),
                 )
                 return
-            chunk = nxt
 
     async def ListModels(
         self, request: gateway_pb2.ListModelsRequest | _Undecodable, context: Any

@@ -5,8 +5,11 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE wh
 ``GET /metrics`` (Prometheus text). Every error, including 404/405/413 from aiohttp
 itself, is OpenAI's JSON error object with a 4xx/5xx status.
 
-A request's errors surface before any byte of the response: the handler waits for the
-backend's first chunk before it sends the 200 and the SSE headers. A client that
+Both generation routes take one request path (``_generate``); what differs between them is
+``openai_endpoints`` (parsing, prompt building, response and chunk shapes), and
+``http_relay`` answers whole or streams. A request's errors surface before any byte of the
+response: the handler waits for the backend's first chunk before it sends the 200 and the
+SSE headers. A client that
 disconnects cancels its handler (``handler_cancellation``), which closes the backend
 stream and so aborts the request; so does one that stops reading: a stream write that waits
 longer than the write timeout cuts the connection. Generations go through the service's
@@ -19,22 +22,20 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from engine.errors import EngineError, ResourceExhaustedError
-from engine.top_logprobs import TopLogprobs
+from engine.errors import ResourceExhaustedError
 from services.gateway import openai_responses as out
-from services.gateway import tools
 from services.gateway.admission import retry_after_header
-from services.gateway.backend import BackendUnavailableError, GenerateChunk, GenerateInput, ServedBy
+from services.gateway.backend import BackendUnavailableError, GenerateInput
 from services.gateway.choices import choice_inputs, merged
+from services.gateway.http_relay import Choice, SseRelay, collect
 from services.gateway.openai_api import (
     ApiError,
     ChatRequest,
@@ -42,14 +43,10 @@ from services.gateway.openai_api import (
     bad_request,
     check_prompt_size,
     decode_json_body,
-    echo_text,
     from_engine_error,
     lookup,
-    parse_chat,
-    parse_completion,
-    prepare_chat,
-    prepare_completion,
 )
+from services.gateway.openai_endpoints import CHAT_COMPLETIONS, COMPLETIONS, Endpoint, Reply
 from services.gateway.served_model import ServedModel
 from services.gateway.service import GatewayService, new_request_id
 
@@ -59,14 +56,6 @@ SERVICE_KEY: web.AppKey[GatewayService] = web.AppKey("service", GatewayService)
 MAX_BODY_KEY: web.AppKey[int] = web.AppKey("max_body_bytes", int)
 WRITE_TIMEOUT_KEY: web.AppKey[float] = web.AppKey("write_timeout_s", float)
 _CLIENT_CLOSED = 499  # nginx's code for "client closed request", for metrics only
-
-
-class _StreamFailed(Exception):
-    """The backend failed after the response started; the stream reports it in-band."""
-
-
-class _SlowReader(Exception):
-    """A stream write waited past the write timeout: the client stopped reading."""
 
 
 def _json(obj: dict[str, Any], status: int = 200) -> web.Response:
@@ -183,26 +172,44 @@ def _check_serving(service: GatewayService) -> None:
         )
 
 
-Choice = tuple[int, GenerateChunk]  # a chunk of one of a request's n choices
+def _check_choices(service: GatewayService, n: int) -> None:
+    """``n`` choices hold ``n`` admission slots: more than the cap could never start."""
+    cap = service.admission.limits.max_concurrent
+    if n > cap:
+        raise bad_request(f"'n'={n} exceeds this server's {cap} concurrent generations.", "n")
 
 
-async def _chunks(stream: AsyncIterator[Choice], prompt_param: str) -> AsyncIterator[Choice]:
-    """``stream``'s chunks until every choice has finished. Errors before the first chunk
-    raise ``ApiError``; later ones raise ``_StreamFailed`` (the response has started)."""
-    started = False
-    try:
-        async for item in stream:
-            started = True
-            yield item
-    except EngineError as exc:
-        if not started:
-            raise from_engine_error(exc, prompt_param) from None
-        raise _StreamFailed(str(exc)) from exc
-    except Exception as exc:
-        if not started:
-            raise  # a server fault before the response started: the middleware's 500
-        log.exception("backend_stream_failed")
-        raise _StreamFailed(f"internal error ({type(exc).__name__})") from exc
+async def _generate(endpoint: Endpoint[Any], request: web.Request) -> web.StreamResponse:
+    """The request path of both generation endpoints (``openai_endpoints`` holds what
+    differs): parse -> draining, ``n``, model and size checks -> admission -> template and
+    tokenize off the loop -> ``n`` generations -> one whole response or an SSE stream."""
+    received_at = time.monotonic()
+    service = request.app[SERVICE_KEY]
+    req = endpoint.parse(await _read_json(request), service.models)
+    _check_serving(service)
+    _check_choices(service, req.n)
+    model = lookup(service.models, req.model)
+    _check_size(service, req, model)
+    rid = new_request_id(endpoint.id_prefix)
+    async with _admitted(request, rid, req.n):
+        inp = await service.prepare(endpoint.prepare, req, model, rid, service.limits)
+        shape = endpoint.shape(Reply(rid, int(time.time()), model, inp, req))
+        stream = _generations(service, inp, req.n, received_at)
+        async with aclosing(stream):  # type: ignore[type-var]
+            if not req.stream:
+                return _json(shape.whole(await collect(stream, req.n, endpoint.prompt_param)))
+            relay = SseRelay(
+                request,
+                stream,
+                endpoint.prompt_param,
+                request.app[WRITE_TIMEOUT_KEY],
+                lambda: service.metrics.count_refusal("slow_reader"),
+            )
+            await relay.start()
+            prompt_tokens = len(inp.prompt_token_ids)
+            return await relay.run(
+                shape, lambda: log.info(endpoint.started_event, prompt_tokens=prompt_tokens)
+            )
 
 
 def _generations(
@@ -212,352 +219,6 @@ def _generations(
     return merged(
         [functools.partial(service.generate, c, received_at) for c in choice_inputs(inp, n)]
     )
-
-
-@dataclass
-class _Result:
-    """One choice's whole generation, for non-streaming responses."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[TopLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-
-
-@dataclass
-class _Results:
-    """Every choice of a whole response: results by index, the last chunk of each."""
-
-    choices: list[_Result]
-    last: dict[int, GenerateChunk] = field(default_factory=dict)
-
-    @property
-    def usage(self) -> dict[str, Any]:
-        return _usage(self.last)
-
-    @property
-    def served_by(self) -> ServedBy:
-        return self.last[0].served_by if 0 in self.last else ServedBy()
-
-
-def _usage(last: dict[int, GenerateChunk]) -> dict[str, Any]:
-    """One request's usage over its choices: the prompt counted once (choice 0's cached
-    tokens), every choice's completion tokens."""
-    first = last[min(last)]
-    completion = sum(c.completion_tokens for c in last.values())
-    return out.usage(first.prompt_tokens, completion, first.cached_tokens)
-
-
-async def _collect(stream: AsyncIterator[Choice], n: int, prompt_param: str) -> _Results:
-    results = _Results([_Result() for _ in range(n)])
-    parts: list[list[str]] = [[] for _ in range(n)]
-    async for i, c in _chunks(stream, prompt_param):
-        r = results.choices[i]
-        parts[i].append(c.text_delta)
-        r.token_ids.extend(c.token_ids)
-        r.logprobs.extend(c.logprobs)
-        r.top_logprobs.extend(c.top_logprobs)
-        r.finish_reason = c.finish_reason
-        results.last[i] = c
-    for r, p in zip(results.choices, parts, strict=True):
-        r.text = "".join(p)
-    return results
-
-
-async def _sse_response(request: web.Request) -> web.StreamResponse:
-    resp = web.StreamResponse(
-        headers={
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",  # proxies must not buffer a token stream
-        }
-    )
-    await resp.prepare(request)
-    return resp
-
-
-class _Relay:
-    """Streams one request's generations as SSE, started only once the first chunk is in
-    hand."""
-
-    def __init__(
-        self,
-        request: web.Request,
-        stream: AsyncIterator[Choice],
-        prompt_param: str,
-    ) -> None:
-        self.request = request
-        self.write_timeout_s = request.app[WRITE_TIMEOUT_KEY]
-        self.chunks = aiter(_chunks(stream, prompt_param))
-        self.first: Choice | None = None
-        self.resp: web.StreamResponse | None = None
-
-    async def start(self) -> None:
-        """Wait for the first chunk (errors raise ``ApiError``), then send the headers."""
-        self.first = await anext(self.chunks)
-        self.resp = await _sse_response(self.request)
-
-    async def all(self) -> AsyncIterator[Choice]:
-        """Every chunk, the first included, up to the last."""
-        assert self.first is not None
-        yield self.first
-        async for c in self.chunks:
-            yield c
-
-    async def send(self, obj: dict[str, Any] | bytes) -> None:
-        assert self.resp is not None
-        await self._timed(self.resp.write(obj if isinstance(obj, bytes) else out.sse(obj)))
-
-    async def finish(self) -> web.StreamResponse:
-        assert self.resp is not None
-        await self._timed(self.resp.write_eof())
-        return self.resp
-
-    async def _timed(self, write: Awaitable[None]) -> None:
-        # A write waits only when the socket's buffers are full: the client is not reading.
-        try:
-            async with asyncio.timeout(self.write_timeout_s):
-                await write
-        except TimeoutError:
-            raise _SlowReader from None
-
-    def cut(self) -> web.StreamResponse:
-        """Drop the connection of a client that stopped reading (its unsent bytes too)."""
-        assert self.resp is not None
-        if self.request.transport is not None:
-            self.request.transport.abort()
-        return self.resp
-
-
-async def _run_stream(
-    relay: _Relay,
-    frames: Callable[[int, GenerateChunk], list[dict[str, Any]]],
-    usage_frame: Callable[[dict[int, GenerateChunk]], dict[str, Any]] | None,
-    intro: Sequence[dict[str, Any]] = (),
-    started: Callable[[], None] | None = None,
-) -> web.StreamResponse:
-    """Send ``intro``, then each chunk's ``frames`` (by choice index), the usage frame, and
-    ``[DONE]``; ``started`` runs once the first chunk's frames are written (e.g. a log
-    line, which should not delay the first token)."""
-    last: dict[int, GenerateChunk] = {}
-    try:
-        try:
-            for frame in intro:
-                await relay.send(frame)
-            async for i, c in relay.all():
-                first = not last
-                last[i] = c
-                for frame in frames(i, c):
-                    await relay.send(frame)
-                if first and started is not None:
-                    started()
-            if usage_frame is not None and last:
-                await relay.send(usage_frame(last))
-        except _StreamFailed as exc:
-            log.warning("stream_failed", error=str(exc))
-            await relay.send(out.stream_error(str(exc)))
-        await relay.send(out.SSE_DONE)
-        return await relay.finish()
-    except ConnectionResetError:
-        # The client left between two writes (the handler was not cancelled first).
-        log.info("client_disconnected")
-        assert relay.resp is not None
-        return relay.resp
-    except _SlowReader:
-        log.warning("slow_reader_cut", write_timeout_s=relay.write_timeout_s)
-        relay.request.app[SERVICE_KEY].metrics.count_refusal("slow_reader")
-        return relay.cut()
-
-
-def _check_choices(service: GatewayService, n: int) -> None:
-    """``n`` choices hold ``n`` admission slots: more than the cap could never start."""
-    cap = service.admission.limits.max_concurrent
-    if n > cap:
-        raise bad_request(f"'n'={n} exceeds this server's {cap} concurrent generations.", "n")
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    received_at = time.monotonic()
-    service = request.app[SERVICE_KEY]
-    req = parse_completion(await _read_json(request), service.models)
-    _check_serving(service)
-    _check_choices(service, req.n)
-    model = lookup(service.models, req.model)
-    _check_size(service, req, model)
-    rid = new_request_id("cmpl")
-    async with _admitted(request, rid, req.n):
-        inp = await service.prepare(prepare_completion, req, model, rid, service.limits)
-        created = int(time.time())
-        tok = model.tokenizer
-        echo = echo_text(req, model)
-        stream = _generations(service, inp, req.n, received_at)
-        async with aclosing(stream):  # type: ignore[type-var]
-            if not req.stream:
-                r = await _collect_or_500(stream, req.n, "prompt")
-                choices = [
-                    out.completion_choice(
-                        i,
-                        echo + c.text,
-                        c.finish_reason,
-                        out.completion_logprobs(
-                            tok, c.token_ids, c.logprobs, len(echo), c.top_logprobs
-                        )
-                        if inp.params.logprobs
-                        else None,
-                    )
-                    for i, c in enumerate(r.choices)
-                ]
-                ext = out.extension(r.served_by)
-                return _json(out.completion(rid, created, model.name, choices, r.usage, ext))
-            offsets = [0] * req.n
-            echoes = [echo] * req.n  # each choice's first frame leads with the echoed prompt
-
-            def frames(i: int, c: GenerateChunk) -> list[dict[str, Any]]:
-                text, echoes[i] = echoes[i] + c.text_delta, ""
-                lp = None
-                if inp.params.logprobs:
-                    lp = out.completion_logprobs(
-                        tok, c.token_ids, c.logprobs, offsets[i] + len(text) - len(c.text_delta),
-                        c.top_logprobs,
-                    )  # fmt: skip
-                offsets[i] += len(text)
-                if not text and c.finish_reason is None and lp is None:
-                    return []
-                choice = out.completion_choice(i, text, c.finish_reason, lp)
-                return [out.completion(rid, created, model.name, [choice])]
-
-            relay = _Relay(request, stream, "prompt")
-            await relay.start()
-            return await _run_stream(
-                relay,
-                frames,
-                _usage_frame(rid, created, inp, "text_completion", req),
-                started=lambda: log.info(
-                    "completion_started", prompt_tokens=len(inp.prompt_token_ids)
-                ),
-            )
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    received_at = time.monotonic()
-    service = request.app[SERVICE_KEY]
-    req = parse_chat(await _read_json(request), service.models)
-    _check_serving(service)
-    _check_choices(service, req.n)
-    model = lookup(service.models, req.model)
-    _check_size(service, req, model)
-    rid = new_request_id("chatcmpl")
-    async with _admitted(request, rid, req.n):
-        inp = await service.prepare(prepare_chat, req, model, rid, service.limits)
-        created = int(time.time())
-        tok = model.tokenizer
-        stream = _generations(service, inp, req.n, received_at)
-        async with aclosing(stream):  # type: ignore[type-var]
-            if not req.stream:
-                r = await _collect_or_500(stream, req.n, "messages")
-                choices = [
-                    out.chat_choice(
-                        i,
-                        *_assistant_message(req.tools, c.text, c.finish_reason),
-                        out.chat_logprobs(tok, c.token_ids, c.logprobs, c.top_logprobs)
-                        if inp.params.logprobs
-                        else None,
-                    )
-                    for i, c in enumerate(r.choices)
-                ]
-                ext = out.extension(r.served_by)
-                return _json(out.chat_completion(rid, created, model.name, choices, r.usage, ext))
-
-            spec = req.tools
-            readers = [tools.ToolStream(spec) for _ in range(req.n)] if spec else []
-
-            def frames(i: int, c: GenerateChunk) -> list[dict[str, Any]]:
-                lp = (
-                    out.chat_logprobs(tok, c.token_ids, c.logprobs, c.top_logprobs)
-                    if inp.params.logprobs
-                    else None
-                )
-                finish = c.finish_reason
-                if spec is None:
-                    deltas = [{"content": c.text_delta}] if c.text_delta or lp is not None else []
-                else:
-                    events = readers[i].feed(c.text_delta) if c.text_delta else []
-                    if finish is not None:
-                        events += readers[i].finish()
-                        finish = _finish_reason(spec, readers[i].calls, finish)
-                    deltas = [tools.delta_for(e) for e in events]
-                    if lp is not None and not deltas:
-                        deltas = [{}]
-                result = [
-                    out.chat_chunk(rid, created, model.name, d, None, lp if j == 0 else None, i)
-                    for j, d in enumerate(deltas)
-                ]
-                if finish is not None:
-                    result.append(out.chat_chunk(rid, created, model.name, {}, finish, index=i))
-                return result
-
-            relay = _Relay(request, stream, "messages")
-            await relay.start()
-            role = {"role": "assistant", "content": ""}
-            intro = [
-                out.chat_chunk(rid, created, model.name, role, None, index=i) for i in range(req.n)
-            ]
-            return await _run_stream(
-                relay,
-                frames,
-                _usage_frame(rid, created, inp, "chat.completion.chunk", req),
-                intro,
-                started=lambda: log.info(
-                    "chat_completion_started", prompt_tokens=len(inp.prompt_token_ids)
-                ),
-            )
-
-
-def _assistant_message(
-    spec: tools.ToolSpec | None, text: str, finish_reason: str | None
-) -> tuple[dict[str, Any], str | None]:
-    """A whole choice's assistant message (its ``tool_calls`` parsed out when the request
-    has tools) and its finish reason."""
-    if spec is None:
-        return {"role": "assistant", "content": text}, finish_reason
-    content, calls = tools.read_whole(spec, text)
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = [c.to_openai() for c in calls]
-    return message, _finish_reason(spec, calls, finish_reason)
-
-
-def _finish_reason(
-    spec: tools.ToolSpec, calls: Sequence[tools.ToolCall], finish_reason: str | None
-) -> str | None:
-    """``stop`` becomes ``tool_calls`` when the turn called tools (OpenAI's convention)."""
-    if calls and finish_reason == "stop":
-        return spec.finish_reason_for_calls
-    return finish_reason
-
-
-def _usage_frame(
-    rid: str, created: int, inp: GenerateInput, obj: str, req: CompletionRequest | ChatRequest
-) -> Callable[[dict[int, GenerateChunk]], dict[str, Any]] | None:
-    if not req.include_usage:
-        return None
-
-    def frame(last: dict[int, GenerateChunk]) -> dict[str, Any]:
-        served_by = last[0].served_by if 0 in last else ServedBy()
-        return out.usage_chunk(rid, created, inp.model, obj, _usage(last), out.extension(served_by))
-
-    return frame
-
-
-async def _collect_or_500(stream: AsyncIterator[Choice], n: int, prompt_param: str) -> _Results:
-    try:
-        r = await _collect(stream, n, prompt_param)
-    except _StreamFailed as exc:
-        raise ApiError(500, f"Generation failed: {exc}", "server_error") from exc
-    if any(c.finish_reason == "error" for c in r.choices):
-        raise ApiError(500, "Generation failed in the backend.", "server_error")
-    return r
 
 
 async def models(request: web.Request) -> web.Response:
@@ -601,8 +262,8 @@ def create_app(
     app[SERVICE_KEY] = service
     app[MAX_BODY_KEY] = max_body_bytes
     app[WRITE_TIMEOUT_KEY] = write_timeout_s
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", functools.partial(_generate, COMPLETIONS))
+    app.router.add_post("/v1/chat/completions", functools.partial(_generate, CHAT_COMPLETIONS))
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

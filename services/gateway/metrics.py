@@ -72,92 +72,96 @@ class LatencySlo:
         return self.itl_s is None or max_itl_s <= self.itl_s
 
 
+_GOODPUT_HELP = (
+    "Requests that finished (stop or length) with TTFT and every inter-token gap within the "
+    "gateway's --slo-ttft-ms and --slo-itl-ms (a bound not set is not checked)."
+)
+_MIGRATIONS_HELP = (
+    "Requests placed again after their stream broke, by cause: decode_lost (the decode worker "
+    "died or went away), decode_failed (it failed running the request), prefill_lost (the "
+    "prefill worker or its transfer went away) or prefill_failed (it failed the request: an "
+    "error, a deadline)."
+)
+_MIGRATION_CAUSES = ("decode_lost", "decode_failed", "prefill_lost", "prefill_failed")
+
+
+class _Series:
+    """Makes the metric objects of one registry (the table in ``GatewayMetrics``)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def counter(self, name: str, doc: str, *labels: str) -> Counter:
+        return Counter(name, doc, labels, registry=self.registry)
+
+    def gauge(self, name: str, doc: str, *labels: str) -> Gauge:
+        return Gauge(name, doc, labels, registry=self.registry)
+
+    def histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+
+
 class GatewayMetrics:
     """The metric objects, and ``track`` to measure one generation stream."""
 
     def __init__(self, model_name: str, slo: LatencySlo = LatencySlo()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
         self.model_name = model_name
         self.slo = slo
-        self.requests = Counter(
-            "pdserve:requests", "Finished gateway calls.", ["endpoint", "status"], registry=r
+        new = _Series(self.registry)
+        self.requests = new.counter(
+            "pdserve:requests", "Finished gateway calls.", "endpoint", "status"
         )
-        self.request_success = Counter(
+        self.request_success = new.counter(
             "pdserve:request_success",
             "Generations that finished, by finish reason.",
-            ["model_name", "finished_reason"],
-            registry=r,
+            "model_name",
+            "finished_reason",
         )
-        self.prompt_tokens = Counter(
-            "pdserve:prompt_tokens", "Prompt tokens processed.", ["model_name"], registry=r
+        self.prompt_tokens = new.counter(
+            "pdserve:prompt_tokens", "Prompt tokens processed.", "model_name"
         )
-        self.generation_tokens = Counter(
-            "pdserve:generation_tokens", "Tokens generated.", ["model_name"], registry=r
+        self.generation_tokens = new.counter(
+            "pdserve:generation_tokens", "Tokens generated.", "model_name"
         )
-        self.ttft = Histogram(
-            "pdserve:time_to_first_token_seconds",
-            "Request received to first token.",
-            ["model_name"],
-            buckets=_TTFT_BUCKETS,
-            registry=r,
+        self.ttft = new.histogram(
+            "pdserve:time_to_first_token_seconds", "Request received to first token.", _TTFT_BUCKETS
         )
-        self.itl = Histogram(
+        self.itl = new.histogram(
             "pdserve:inter_token_latency_seconds",
             "Time between consecutive tokens of one request.",
-            ["model_name"],
-            buckets=_ITL_BUCKETS,
-            registry=r,
+            _ITL_BUCKETS,
         )
-        self.e2e = Histogram(
-            "pdserve:e2e_request_latency_seconds",
-            "Request received to last token.",
-            ["model_name"],
-            buckets=_E2E_BUCKETS,
-            registry=r,
+        self.e2e = new.histogram(
+            "pdserve:e2e_request_latency_seconds", "Request received to last token.", _E2E_BUCKETS
         )
-        self.running = Gauge(
-            "pdserve:num_requests_running", "Generations streaming now.", ["model_name"], registry=r
+        self.running = new.gauge(
+            "pdserve:num_requests_running", "Generations streaming now.", "model_name"
         )
         # Counted per request here because the histograms cannot say it: a request is good
         # only if TTFT and *all* its gaps meet the SLO, a joint condition buckets lose.
-        self.goodput = Counter(
-            "pdserve:request_goodput",
-            "Requests that finished (stop or length) with TTFT and every inter-token gap "
-            "within the gateway's --slo-ttft-ms and --slo-itl-ms (a bound not set is not "
-            "checked).",
-            ["model_name"],
-            registry=r,
+        self.goodput = new.counter("pdserve:request_goodput", _GOODPUT_HELP, "model_name")
+        self.migrations = new.counter("pdserve:migrations", _MIGRATIONS_HELP, "cause")
+        self.waiting = new.gauge(
+            "pdserve:num_requests_waiting", "Requests waiting for an admission slot."
         )
-        # Exported at 0 from the start: a series born at its first increment hides that
-        # increment from rate(), which would put goodput above the finished requests.
-        self.goodput.labels(model_name)
-        for reason in ("stop", "length"):
-            self.request_success.labels(model_name, reason)
-
-        self.migrations = Counter(
-            "pdserve:migrations",
-            "Requests placed again after their stream broke, by cause: decode_lost (the decode "
-            "worker died or went away), decode_failed (it failed running the request), "
-            "prefill_lost (the prefill worker or its transfer went away) or prefill_failed "
-            "(it failed the request: an error, a deadline).",
-            ["cause"],
-            registry=r,
-        )
-        causes = ("decode_lost", "decode_failed", "prefill_lost", "prefill_failed")
-        for cause in causes:  # exported at 0 from the start
-            self.migrations.labels(cause)
-
-        self.waiting = Gauge(
-            "pdserve:num_requests_waiting", "Requests waiting for an admission slot.", registry=r
-        )
-        self.refused = Counter(
+        self.refused = new.counter(
             "pdserve:requests_refused",
             "Requests turned away at the edge, by reason (see the gateway's docs).",
-            ["reason"],
-            registry=r,
+            "reason",
         )
-        for reason in REFUSAL_REASONS:  # exported at 0 from the start
+        self._export_zeros()
+
+    def _export_zeros(self) -> None:
+        """Export the series a dashboard divides by at 0 from the start: a series born at
+        its first increment hides that increment from rate(), which would put goodput above
+        the finished requests."""
+        self.goodput.labels(self.model_name)
+        for reason in ("stop", "length"):
+            self.request_success.labels(self.model_name, reason)
+        for cause in _MIGRATION_CAUSES:
+            self.migrations.labels(cause)
+        for reason in REFUSAL_REASONS:
             self.refused.labels(reason)
 
     def count_refusal(self, reason: str) -> None:

@@ -386,6 +386,7 @@ class SchedulerState:
     def _register(self, info: WorkerInfo) -> Lease:
         if info.worker_id in self._workers:
             self._remove(info.worker_id, reason="re-registered", delete_key=False)
+        self._check_block_size(info)
         cap = info.capacity
         worker = _Worker(
             info=info,
@@ -401,6 +402,22 @@ class SchedulerState:
         self._update_worker_gauges()
         log.info("worker_registered", worker_id=info.worker_id, role=info.role.value)
         return self.lease
+
+    def _check_block_size(self, info: WorkerInfo) -> None:
+        """Log a worker whose block size differs from its model's other workers': prefix
+        hashes are cut in one size, so prefix routing cannot reach both."""
+        size = info.capacity.block_size
+        others = {
+            w.info.capacity.block_size for w in self._workers.values() if w.info.model == info.model
+        }
+        if others - {size}:
+            log.warning(
+                "block_size_mismatch",
+                worker_id=info.worker_id,
+                model=info.model,
+                block_size=size,
+                other_block_sizes=sorted(others - {size}),
+            )
 
     def _heartbeat(self, report: HeartbeatReport) -> HeartbeatAnswer:
         worker = self._workers.get(report.worker_id)

@@ -555,10 +555,11 @@ async def test_the_first_chunk_goes_out_before_the_start_is_logged(
     gw, http, monkeypatch, path, body, name, before
 ) -> None:
     """A log line is a write that may wait for the GIL: it must not delay the first token."""
+    import services.gateway.http_relay as relay
     import services.gateway.http_server as server
 
     order: list[str] = []
-    real_send = server._Relay.send
+    real_send = relay.SseRelay._send
 
     async def send(self, obj):
         order.append("send")
@@ -568,7 +569,7 @@ async def test_the_first_chunk_goes_out_before_the_start_is_logged(
         def __getattr__(self, level):
             return lambda event, **kw: order.append(event)
 
-    monkeypatch.setattr(server._Relay, "send", send)
+    monkeypatch.setattr(relay.SseRelay, "_send", send)
     monkeypatch.setattr(server, "log", Log())
     full = {"model": MODEL, "max_tokens": 4, "stream": True, "ignore_eos": True, **body, **GREEDY}
     async with http.post(gw.base_url + path, json=full) as r:

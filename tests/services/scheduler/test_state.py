@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator, Iterable
 
 import pytest
+from structlog.testing import capture_logs
 
 from services.scheduler.model import (
     FinishReason,
@@ -29,7 +30,7 @@ from services.scheduler.state import (
     UnknownWorker,
 )
 from services.scheduler.store import NullSink, StoredWorker
-from tests.services.scheduler.builders import BLOCK, info, request
+from tests.services.scheduler.builders import BLOCK, capacity, info, request
 
 TTL_S = 0.5
 
@@ -379,3 +380,14 @@ async def test_kv_event_metrics_count_what_changed_the_index() -> None:
         assert value("pdserve_scheduler_prefix_index_blocks") == 0
     finally:
         await s.stop()
+
+
+async def test_a_worker_of_another_block_size_is_logged(state: SchedulerState) -> None:
+    """Prefix hashes are cut in one block size: workers of one model with two sizes cannot
+    all be routed by prefix, which must show, not pass silently."""
+    with capture_logs() as logs:
+        await state.register(info("p1", Role.PREFILL))
+        await state.register(info("p2", Role.PREFILL, model="other", cap=capacity(block_size=32)))
+        await state.register(info("d1", Role.DECODE, cap=capacity(block_size=2 * BLOCK)))
+    [warning] = [e for e in logs if e["event"] == "block_size_mismatch"]
+    assert warning["worker_id"] == "d1" and warning["other_block_sizes"] == [BLOCK]
