@@ -1,8 +1,8 @@
 """Fault injection in a service process, for tests and chaos runs: the ``--faults`` setting
-every service takes (``FaultArgs``) and what its plan does to this process's internal gRPC
-clients. The plan itself, and what it does to KV writes, is ``transfer.faults``.
+every service takes (``FaultArgs``) and what its spec does to this process's internal gRPC
+clients. The spec itself, and what it does to KV writes, is ``transfer.faults``.
 
-``install_rpc_faults(plan)`` once at start (``process.run``, from the service's ``--faults``
+``install_rpc_faults(spec)`` once at start (``process.run``, from the service's ``--faults``
 / ``PDSERVE_FAULTS``); ``cluster_auth.channel`` then adds ``rpc_fault_interceptors()`` to
 every internal channel: each unary or server-streaming call waits ``rpc_delay_ms`` first,
 and every ``rpc_fail_every``-th call fails with ``UNAVAILABLE`` ("injected fault") without
@@ -37,42 +37,42 @@ class FaultArgs:
     )
     production: bool = setting(
         False,
-        "a production deployment: a --faults plan is refused unless it says force=1",
+        "a production deployment: a --faults spec is refused unless it says force=1",
         env="PDSERVE_PRODUCTION",
     )
 
     def __post_init__(self) -> None:
         if self.faults:
-            self.plan  # noqa: B018 (validates: a bad plan is a usage error)
+            self.spec  # noqa: B018 (validates: a bad spec is a usage error)
 
     @property
-    def plan(self) -> FaultSpec:
+    def spec(self) -> FaultSpec:
         from transfer.faults import FaultSpec
 
         return FaultSpec.parse(self.faults, production=self.production)
 
 
-_plan: FaultSpec | None = None  # None: no faults
+_spec: FaultSpec | None = None  # None: no faults
 _calls = itertools.count(1)
 
 
-def install_rpc_faults(plan: FaultSpec | None) -> None:
-    """Make ``plan``'s gRPC faults this process's (None: none)."""
-    global _plan
-    _plan = plan if plan is not None and plan.rpc_active else None
+def install_rpc_faults(spec: FaultSpec | None) -> None:
+    """Make ``spec``'s gRPC faults this process's (None: none)."""
+    global _spec
+    _spec = spec if spec is not None and spec.rpc_active else None
 
 
 def rpc_fault_interceptors() -> list[Any]:
-    """The client interceptors the installed plan needs (none without RPC faults)."""
-    return [] if _plan is None else [_UnaryUnary(), _UnaryStream()]
+    """The client interceptors the installed spec needs (none without RPC faults)."""
+    return [] if _spec is None else [_UnaryUnary(), _UnaryStream()]
 
 
 async def _before_call(method: object) -> None:
-    if _plan is None:
+    if _spec is None:
         return
-    if _plan.rpc_delay_ms:
-        await asyncio.sleep(_plan.rpc_delay_ms / 1000)
-    if _plan.rpc_fail_every and next(_calls) % _plan.rpc_fail_every == 0:
+    if _spec.rpc_delay_ms:
+        await asyncio.sleep(_spec.rpc_delay_ms / 1000)
+    if _spec.rpc_fail_every and next(_calls) % _spec.rpc_fail_every == 0:
         name = method.decode() if isinstance(method, bytes) else str(method)
         raise grpc.aio.AioRpcError(
             grpc.StatusCode.UNAVAILABLE,

@@ -87,9 +87,9 @@ def run(
 
     configure_logging(service, level)
     if faults is not None and faults.faults:  # parsed only when set: transfer pulls in torch
-        plan = faults.plan
-        install_rpc_faults(plan)
-        log.warning("faults_injected", plan=str(plan))
+        spec = faults.spec
+        install_rpc_faults(spec)
+        log.warning("faults_injected", spec=str(spec))
     if cluster is not None:
         try:
             cluster_auth.install(cluster_auth.load(cluster), service)

@@ -29,7 +29,7 @@ async def _main(cfg: PrefillConfig) -> None:
         cfg.engine, cfg.tuning, "prefill", prefill_token_budget=cfg.prefill_token_budget
     )
     transports = {n: get_transport(n, **cfg.transport_options(n)) for n in cfg.transports}
-    faults = cfg.fault_args.plan  # none unless --faults / PDSERVE_FAULTS says
+    faults = cfg.fault_args.spec  # none unless --faults / PDSERVE_FAULTS says
     for t in transports.values():
         t.inject_faults(faults)
     server = process.GrpcServer(

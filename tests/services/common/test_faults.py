@@ -53,11 +53,11 @@ def test_no_plan_adds_no_interceptor() -> None:
 
 def test_production_comes_from_the_settings_and_refuses_an_unforced_plan(capsys) -> None:
     env = {"PDSERVE_FAULTS": "stall_ms=10"}
-    assert settings.load(FaultArgs, "prefill", [], env).plan.stall_ms == 10
+    assert settings.load(FaultArgs, "prefill", [], env).spec.stall_ms == 10
     for argv, extra in ((["--production"], {}), ([], {"PDSERVE_PRODUCTION": "1"})):
         with pytest.raises(SystemExit) as e:
             settings.load(FaultArgs, "prefill", argv, {**env, **extra})
         assert e.value.code == 2
         assert "refused in production" in capsys.readouterr().err
     forced = {"PDSERVE_FAULTS": "stall_ms=10,force=1", "PDSERVE_PRODUCTION": "1"}
-    assert settings.load(FaultArgs, "prefill", [], forced).plan.stall_ms == 10
+    assert settings.load(FaultArgs, "prefill", [], forced).spec.stall_ms == 10
