@@ -34,7 +34,7 @@ from bench.engine import _engine_decode_s, _random_ids, llama_cpp_model
 from bench.peers import llama_bench
 from bench.peers.llama_bench import LlamaCppError, build_hint
 from bench.peers.llama_server import BuildLayout, default_cache_dir
-from engine.llm_engine import WEIGHT_FORMATS
+from engine.engine_config import WEIGHT_FORMATS
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def run(
     model: Path,
     layout: BuildLayout,
     seed: int,
-    kv_cache_dtype: str = "auto",
+    kv_cache_dtype: str = "float32",
 ) -> list[BatchResult]:
     """Load the engine once, then alternate one pdserve and one llama.cpp repeat per batch."""
     torch.set_num_threads(threads)
@@ -107,8 +107,8 @@ def run(
             block_size=block,
             num_kv_blocks=1 + max(batches) * -(-(context + 2 + steps) // block),
             max_num_seqs=max(batches),
-            enable_prefix_caching=False,
-            num_threads=threads,
+            prefix_caching=False,
+            threads=threads,
             weights=weights,
             kv_cache_dtype=kv_cache_dtype,
         )
@@ -155,9 +155,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--kv-cache-dtype",
-        default="auto",
-        choices=("auto", "float32", "float16"),
-        help="pdserve's KV pool dtype (default: auto, float32; llama.cpp's is float16)",
+        default="float32",
+        choices=("float32", "float16"),
+        help="pdserve's KV pool dtype (default: float32; llama.cpp's is float16)",
     )
     p.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2-135M's)")
     p.add_argument(

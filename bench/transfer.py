@@ -1106,7 +1106,10 @@ async def _hop_async(
     from pdserve.v1 import gateway_pb2_grpc, worker_pb2_grpc
 
     engine = await asyncio.to_thread(
-        LLMEngine, EngineConfig(num_threads=1, kv_cache_bytes=HOP_KV_MIB << 20)
+        LLMEngine,
+        EngineConfig(
+            weights="float32", kv_cache_dtype="float32", threads=1, kv_cache_mib=HOP_KV_MIB
+        ),
     )
     # The in-process engine's thread computes where the workers' engine threads do.
     aengine = AsyncEngine(engine, cpus=engine_cpus)

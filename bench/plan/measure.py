@@ -100,11 +100,12 @@ def measure_profile(cfg: ProfileConfig, log: Callable[[str], None] = _log) -> Pr
     engine = LLMEngine(
         EngineConfig(
             dtype=cfg.dtype,
+            kv_cache_dtype=cfg.dtype,
             block_size=block,
             num_kv_blocks=num_blocks,
             max_num_seqs=max(cfg.decode_batches),
-            enable_prefix_caching=False,
-            num_threads=cfg.threads,
+            prefix_caching=False,
+            threads=cfg.threads,
         ),
         checkpoint=ckpt,
         tokenizer=Tokenizer.from_path(ckpt.path),
