@@ -59,7 +59,7 @@ from bench._common import (
 from bench.peers import llama_bench
 from bench.peers.llama_bench import LlamaCppError, LlamaCppResult, build_hint
 from bench.peers.llama_server import BuildLayout, default_cache_dir
-from engine.llm_engine import WEIGHT_FORMATS
+from engine.engine_config import WEIGHT_FORMATS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -618,10 +618,10 @@ def _engines(cfg: BenchConfig, ckpt: Any, threads: int) -> dict[str, Any]:
                 block_size=block,
                 num_kv_blocks=num_blocks,
                 max_num_seqs=max(cfg.batches),
-                enable_prefix_caching=False,
-                num_threads=threads,
+                prefix_caching=False,
+                threads=threads,
                 weights=weights,
-                kv_cache_dtype=cfg.kv_cache_dtype,
+                kv_cache_dtype=cfg.dtype if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype,
                 batch_invariant=cfg.batch_invariant,
             ),
             # The dense checkpoint is float32's weights as they are; any other format is

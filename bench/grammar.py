@@ -246,7 +246,11 @@ def itl_turns(batch: int, steps: int, turns: int) -> list[tuple[str, float]]:
     from engine.sampling_params import SamplingParams
     from engine.structured import StructuredKind, StructuredOutput
 
-    engine = LLMEngine(EngineConfig(num_kv_blocks=1024, max_num_seqs=2 * batch))
+    engine = LLMEngine(
+        EngineConfig(
+            weights="float32", kv_cache_dtype="float32", num_kv_blocks=1024, max_num_seqs=2 * batch
+        )
+    )
     tok = engine.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Count."}]))
     plain = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)

@@ -54,7 +54,7 @@ async def _measure(lengths: Sequence[int], repeats: int, threads: int) -> list[R
 
     torch.set_num_threads(threads)
     master = MooncakeMaster.start()
-    config = EngineConfig(kv_cache_dtype="float16", kv_cache_bytes=512 << 20, num_threads=threads)
+    config = EngineConfig(weights="float32", kv_cache_dtype="float16", threads=threads)
     a, b = LLMEngine(config), LLMEngine(config)
     stores = []
     try:

@@ -1094,7 +1094,10 @@ async def _hop_async(
     from services.common.tuning import Tuning
 
     engine = await asyncio.to_thread(
-        LLMEngine, EngineConfig(num_threads=1, kv_cache_bytes=HOP_KV_MIB << 20)
+        LLMEngine,
+        EngineConfig(
+            weights="float32", kv_cache_dtype="float32", threads=1, kv_cache_mib=HOP_KV_MIB
+        ),
     )
     # The in-process engine's thread computes where, and waits as, the workers' engine
     # threads do.

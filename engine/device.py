@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from engine.engine_config import DTYPE_NAMES
 from engine.errors import InvalidRequestError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 DEVICES = ("auto", "cpu", "cuda")
 
 

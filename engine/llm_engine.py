@@ -21,7 +21,8 @@ from engine.block_hash import hash_blocks
 from engine.block_manager import BlockManager
 from engine.cache_events import CacheEventLog
 from engine.checkpoint import Checkpoint, load_checkpoint, model_digest
-from engine.device import DTYPES, resolve_device, resolve_dtype
+from engine.device import DTYPES
+from engine.engine_config import EngineConfig
 from engine.errors import CapacityError, InvalidRequestError, ResourceExhaustedError
 from engine.grammar import Grammars
 from engine.kv_cache import KVCache, KVCacheSpec
@@ -31,7 +32,7 @@ from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor, RequestOutput
 from engine.sampler import skip_draws
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from engine.scheduler import BatchLimits, ScheduledSeq, Scheduler
 from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import Tokenizer
 from engine.top_logprobs import TopLogprobs
@@ -47,112 +48,6 @@ def _generator(params: SamplingParams, device: torch.device) -> torch.Generator 
     if params.seed is None:
         return None
     return torch.Generator(device=device).manual_seed(params.seed)
-
-
-WEIGHT_FORMATS = ("float32", "quantized")
-KV_CACHE_DTYPES = ("float32", "bfloat16", "float16")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Everything that shapes an engine. ``None`` model means the embedded default.
-
-    ``device`` and ``dtype`` may be ``auto`` (``engine.device``); construction resolves them,
-    so a config always names the concrete device (``cpu``, ``cuda:0``) and dtype.
-    """
-
-    model: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # overrides kv_cache_bytes
-    kv_cache_bytes: int = 1 << 30
-    max_model_len: int | None = None  # default: the checkpoint's context
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None  # default: max_model_len, or 512 when chunked
-    chunked_prefill: bool = False
-    enable_prefix_caching: bool = True
-    num_threads: int | None = None
-    cpu_kernels: bool = True  # False: the torch reference only (no packed linears, no C++)
-    # "quantized": a GGUF's quantized tensors stay packed blocks (kernels/quant_linear.py);
-    # "float32": every tensor dequantized into a dense weight (exact parity mode).
-    weights: str = "float32"
-    # Triton kernels for decode attention and the KV store: None means on CUDA only. True
-    # on the CPU runs them under triton's interpreter (TRITON_INTERPRET=1): the tests' way
-    # of running the GPU's code path here.
-    triton_kernels: bool | None = None
-    # Given pool memory (``kv_memory``) becomes a host pool beside the device pool, blocks
-    # moved layer by layer (engine/kv_staging.py). Always so off the CPU; True stages on the
-    # CPU too (two CPU pools: how the tests run a GPU worker's KV path here).
-    kv_staging: bool = False
-    # The KV pool's dtype: "auto" is the engine's dtype. "float16" under float32 compute on
-    # the CPU halves the bytes every decode step reads (and the pool's footprint); attention
-    # widens the stored values back to float32. Workers that exchange KV must agree on it.
-    kv_cache_dtype: str = "auto"
-    # Every token computed the same way whatever shares its step (``LlamaModel``): needs
-    # packed quantized weights on the CPU. What makes a migrated stream continue exactly.
-    batch_invariant: bool = False
-
-    def __post_init__(self) -> None:
-        device = resolve_device(self.device)
-        object.__setattr__(self, "device", str(device))
-        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
-        kv_dtype = self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
-        if kv_dtype not in KV_CACHE_DTYPES:
-            raise InvalidRequestError(
-                f"kv_cache_dtype must be one of {['auto', *KV_CACHE_DTYPES]}, got "
-                f"{self.kv_cache_dtype!r}"
-            )
-        object.__setattr__(self, "kv_cache_dtype", kv_dtype)
-        narrowed = (device.type, self.dtype, kv_dtype) == ("cpu", "float32", "float16")
-        if kv_dtype != self.dtype and not narrowed:
-            raise InvalidRequestError(
-                f"a {kv_dtype} KV cache under {self.dtype} compute on {device.type} is not "
-                "supported: the KV dtype is the engine's, or float16 under float32 on the CPU"
-            )
-        if kv_dtype != self.dtype and self.uses_triton:
-            raise InvalidRequestError(
-                f"the Triton kernels store KV in the engine's dtype ({self.dtype}), not {kv_dtype}"
-            )
-        if self.weights not in WEIGHT_FORMATS:
-            raise InvalidRequestError(
-                f"weights must be one of {list(WEIGHT_FORMATS)}, got {self.weights!r}"
-            )
-        if self.batch_invariant and (device.type != "cpu" or self.weights != "quantized"):
-            raise InvalidRequestError(
-                "batch_invariant runs packed quantized weights on the CPU, not "
-                f"weights={self.weights!r} on {device.type}"
-            )
-        if self.weights == "quantized" and self.dtype != "float32":
-            raise InvalidRequestError(
-                f"quantized weights compute in float32; dtype {self.dtype!r} needs "
-                "weights='float32'"
-            )
-        if self.weights == "quantized" and device.type != "cpu":
-            raise InvalidRequestError(
-                f"quantized weights run on the CPU only; device {self.device!r} needs "
-                "weights='float32' (dense weights in the engine's dtype)"
-            )
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise InvalidRequestError(f"block_size must be a power of two, got {self.block_size}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def torch_kv_dtype(self) -> torch.dtype:
-        return DTYPES[self.kv_cache_dtype]
-
-    @property
-    def torch_device(self) -> torch.device:
-        return torch.device(self.device)
-
-    @property
-    def uses_triton(self) -> bool:
-        if self.triton_kernels is None:
-            return self.torch_device.type == "cuda"
-        return self.triton_kernels
 
 
 @dataclass(frozen=True)
@@ -232,82 +127,31 @@ class LLMEngine:
         tokenizer: Tokenizer | None = None,
         kv_memory: Callable[[KVCacheSpec], torch.Tensor] | None = None,
     ) -> None:
-        """``kv_memory(spec)`` supplies host memory for the pool (e.g. a registered
+        """``config`` is resolved as the ``colocated`` role where it says ``auto``
+        (``EngineConfig.resolved``); ``checkpoint``: weights already loaded (their format
+        wins over ``config.weights``).
+
+        ``kv_memory(spec)`` supplies host memory for the pool (e.g. a registered
         shared-memory region a prefill worker writes into); by default the engine allocates
         the pool. On a device other than the CPU (or with ``kv_staging``) that memory holds
         a host pool beside the device pool instead (``kv_host``; ``stage_layer`` and the
         upload in ``add_prefilled`` move blocks between them)."""
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        if checkpoint is None:
-            self.weight_format = _weight_format(config)
-            quantized = self.weight_format == "quantized"
-            checkpoint = load_checkpoint(
-                config.model, dtype=config.torch_dtype, quantized=quantized
-            )
-        else:
-            self.weight_format = _format_of(checkpoint)
-        ckpt = checkpoint
-        self.config = config
-        self.model_config = ckpt.config
-        self.model_digest = model_digest(ckpt)
+        self.config = config = config.resolved()
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.device = torch.device(config.device)
+        ckpt = self._load_model(checkpoint)
         self.tokenizer = tokenizer or Tokenizer.from_path(ckpt.path)
-        self.device = config.torch_device
-        self.model = LlamaModel(
-            ckpt.config,
-            ckpt.tensors,
-            cpu_kernels=config.cpu_kernels,
-            device=self.device,
-            triton_kernels=config.uses_triton,
-            batch_invariant=config.batch_invariant,
-        )
-        self.max_model_len = min(
-            config.max_model_len or ckpt.config.max_position_embeddings,
-            ckpt.config.max_position_embeddings,
-        )
-        num_blocks = config.num_kv_blocks or KVCacheSpec.blocks_for_bytes(
-            ckpt.config,
-            config.kv_cache_bytes,
-            block_size=config.block_size,
-            dtype=config.torch_kv_dtype,
-        )
-        if num_blocks < 1:
-            raise CapacityError("the KV cache budget is smaller than one block")
-        self.kv_spec = KVCacheSpec.for_model(
-            ckpt.config,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            dtype=config.torch_kv_dtype,
-        )
-        memory = kv_memory(self.kv_spec) if kv_memory else None
-        self.staging: KVStaging | None = None
-        staged = self.device.type != "cpu" or config.kv_staging
-        if memory is not None and memory.device.type == "cpu" and staged:
-            self.kv = KVCache(self.kv_spec, device=self.device)
-            self.staging = KVStaging(self.kv, KVCache(self.kv_spec, memory))
-        else:
-            self.kv = KVCache(self.kv_spec, memory, device=self.device)
-        # The pool transports read and write: the host pool when staged, else the pool.
-        self.kv_host = self.staging.host_kv if self.staging else self.kv
+        self._make_kv_pool(kv_memory)
         # What the prefix cache gains and loses, for the worker to publish to the scheduler.
         self.cache_events = CacheEventLog()
         self.blocks = BlockManager(
-            num_blocks,
+            self.kv_spec.num_blocks,
             config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
+            enable_prefix_caching=config.prefix_caching,
             events=self.cache_events,
         )
-        budget = config.max_num_batched_tokens or (
-            512 if config.chunked_prefill else self.max_model_len
-        )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=budget,
-                chunked_prefill=config.chunked_prefill,
-            ),
-            self.blocks,
-        )
+        self.scheduler = Scheduler(self._batch_limits(), self.blocks)
         self.runner = ModelRunner(self.model, self.kv, self.tokenizer.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer, self.tokenizer.eos_token_ids)
         self.grammars = Grammars(self.tokenizer, ckpt.config.vocab_size)
@@ -322,6 +166,73 @@ class LLMEngine:
         # when a request finishes (the blocks not yet told: its output's, in a decode
         # worker). It must be quick and must not raise.
         self.kv_export: Callable[[Seq[int], Seq[int]], None] | None = None
+
+    def _load_model(self, checkpoint: Checkpoint | None) -> Checkpoint:
+        """Load the checkpoint (unless given) and build the model on this engine's device;
+        sets ``weight_format``, ``model_config``, ``model_digest``, ``model`` and
+        ``max_model_len``. Returns the checkpoint."""
+        config = self.config
+        if checkpoint is None:
+            self.weight_format = _weight_format(config)
+            checkpoint = load_checkpoint(
+                config.model,
+                dtype=DTYPES[config.dtype],
+                quantized=self.weight_format == "quantized",
+            )
+        else:
+            self.weight_format = _format_of(checkpoint)
+        self.model_config = checkpoint.config
+        self.model_digest = model_digest(checkpoint)
+        self.model = LlamaModel(
+            checkpoint.config,
+            checkpoint.tensors,
+            cpu_kernels=config.cpu_kernels,
+            device=self.device,
+            triton_kernels=config.uses_triton,
+            batch_invariant=config.batch_invariant,
+        )
+        context = checkpoint.config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or context, context)
+        return checkpoint
+
+    def _make_kv_pool(self, kv_memory: Callable[[KVCacheSpec], torch.Tensor] | None) -> None:
+        """Size the KV pool and allocate it (or place it in ``kv_memory``'s); sets
+        ``kv_spec``, ``kv``, ``staging`` and ``kv_host``."""
+        config = self.config
+        kv_dtype = DTYPES[config.kv_cache_dtype]
+        num_blocks = config.num_kv_blocks or KVCacheSpec.blocks_for_bytes(
+            self.model_config,
+            config.kv_cache_mib << 20,
+            block_size=config.block_size,
+            dtype=kv_dtype,
+        )
+        if num_blocks < 1:
+            raise CapacityError("the KV cache budget is smaller than one block")
+        self.kv_spec = KVCacheSpec.for_model(
+            self.model_config, num_blocks=num_blocks, block_size=config.block_size, dtype=kv_dtype
+        )
+        memory = kv_memory(self.kv_spec) if kv_memory else None
+        self.staging: KVStaging | None = None
+        staged = self.device.type != "cpu" or config.kv_staging
+        if memory is not None and memory.device.type == "cpu" and staged:
+            self.kv = KVCache(self.kv_spec, device=self.device)
+            self.staging = KVStaging(self.kv, KVCache(self.kv_spec, memory))
+        else:
+            self.kv = KVCache(self.kv_spec, memory, device=self.device)
+        # The pool transports read and write: the host pool when staged, else the pool.
+        self.kv_host = self.staging.host_kv if self.staging else self.kv
+
+    def _batch_limits(self) -> BatchLimits:
+        """What one step may hold: chunked prefill's chunk, else the configured budget or a
+        whole context."""
+        config = self.config
+        return BatchLimits(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=(
+                config.chunked_prefill or config.max_num_batched_tokens or self.max_model_len
+            ),
+            chunked_prefill=config.chunked_prefill > 0,
+        )
 
     @classmethod
     def from_path(cls, model: str | Path | None = None, **kwargs: object) -> LLMEngine:
@@ -423,7 +334,7 @@ class LLMEngine:
     # A prefill worker calls plan_prefill -> run_prefill (in one pass, or chunk by chunk)
     # -> (send KV) -> release.
     # A decode worker calls reserve (its own cached prefix reused) -> (prefill worker fills
-    # the other blocks) -> add_prefilled, or cancel_reservation if the prefill failed.
+    # the other blocks) -> add_prefilled, or release if the prefill failed.
     # Both run on the engine's one thread.
 
     def _claim_blocks(self, seq: Sequence) -> None:
@@ -583,7 +494,7 @@ class LLMEngine:
         """Validate and allocate blocks for a prompt (plus a migrated request's ``resumed``
         output tokens) another worker will prefill, reusing this pool's cached blocks of its
         longest cached full-block prefix (never its last token). The blocks stay held until
-        ``add_prefilled``, ``release`` (also under a ``fence`` key) or ``cancel_reservation``.
+        ``add_prefilled`` or ``release`` (also under a ``fence`` key).
         Raises InvalidRequestError, CapacityError, or ResourceExhaustedError when the batch
         or the pool is full now; nothing stays held then."""
         ids = self._validate(
@@ -605,9 +516,6 @@ class LLMEngine:
         key = f"{request_id}/{tag}"
         self._held[key] = self._held.pop(request_id)
         return key
-
-    def cancel_reservation(self, request_id: str) -> bool:
-        return self.release(request_id)
 
     def add_prefilled(
         self,

@@ -25,16 +25,13 @@ from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 8192
-    chunked_prefill: bool = False
+class BatchLimits:
+    """What one step may hold, as the engine derives it from its ``EngineConfig`` (which
+    validates the numbers)."""
 
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
+    max_num_seqs: int
+    max_num_batched_tokens: int  # the step's token budget: the chunk size when chunked
+    chunked_prefill: bool
 
 
 @dataclass(frozen=True)
@@ -59,8 +56,8 @@ class SchedulerStep:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
-        self.config = config
+    def __init__(self, limits: BatchLimits, blocks: BlockManager) -> None:
+        self.limits = limits
         self.blocks = blocks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -106,7 +103,7 @@ class Scheduler:
 
     # -- the step --------------------------------------------------------------------
     def schedule(self) -> SchedulerStep:
-        budget = self.config.max_num_batched_tokens
+        budget = self.limits.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
 
@@ -114,7 +111,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = seq.pending
-            if self.config.chunked_prefill:
+            if self.limits.chunked_prefill:
                 n = min(n, budget)
             if not self._grow(seq, n, preempted):
                 break  # seq itself was preempted: it was the last one running
@@ -140,14 +137,14 @@ class Scheduler:
         return True
 
     def _admit(self, scheduled: list[ScheduledSeq], budget: int) -> None:
-        cfg = self.config
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        limits = self.limits
+        while self.waiting and budget > 0 and len(self.running) < limits.max_num_seqs:
             seq = self.waiting[0]
             hit_blocks: list[int] = []
             if seq.num_computed == 0 and not seq.block_table:
                 hit_blocks = self.match_prefix(seq)
             n = seq.pending
-            if cfg.chunked_prefill:
+            if limits.chunked_prefill:
                 n = min(n, budget)
             elif n > budget and scheduled:
                 self.undo_hit(seq, hit_blocks)

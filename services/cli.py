@@ -13,9 +13,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from engine.engine_config import EngineConfig
 from engine.errors import EngineError
 from services.common import settings
-from services.common.engine_args import EngineArgs
 
 Registrar = Callable[[Any], None]  # adds subcommands to an argparse subparsers object
 
@@ -35,7 +35,7 @@ def add_commands(sub: Any) -> None:
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    settings.add_arguments(gen, EngineArgs)
+    settings.add_arguments(gen, EngineConfig)
     gen.set_defaults(func=_cmd_generate, parser=gen)
 
     from services import up
@@ -62,8 +62,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
-    engine_args = settings.from_namespace(EngineArgs, "generate", args, args.parser)
-    engine = LLMEngine(engine_args.engine_config())
+    engine = LLMEngine(settings.from_namespace(EngineConfig, "generate", args, args.parser))
     prompt = args.prompt
     if args.chat:
         messages = []

@@ -5,7 +5,7 @@ Disaggregated (default): redis-server, the KV store's mooncake_master, the sched
 process; every worker lends ``--kv-store-segment-mib`` of its DRAM to the KV store
 (``kvstore``; 0: no store, no master). ``--colocated``: one
 colocated worker (prefill and decode in one engine) behind the same scheduler and gateway:
-the baseline. Every worker gets the same engine settings (``EngineArgs``, passed on by
+the baseline. Every worker gets the same engine settings (``EngineConfig``, passed on by
 ``settings.to_argv``).
 
 Layout (``--pin``, the default; ``--no-pin`` lets the OS place everything): each worker
@@ -44,10 +44,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.engine_config import EngineConfig
 from kvstore.master import READY_LINE as MASTER_READY
 from kvstore.master import master_argv
 from services.common import settings
-from services.common.engine_args import EngineArgs
 from services.common.settings import cpu_list, setting
 from services.common.worker_args import MIN_SEGMENT_MIB
 from services.launcher import (
@@ -138,7 +138,7 @@ class UpConfig:
         const=SMOKE_QUESTION,
         metavar="QUESTION",
     )
-    engine: EngineArgs = field(default_factory=EngineArgs)
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
         if self.kv_store_segment_mib < 0 or 0 < self.kv_store_segment_mib < MIN_SEGMENT_MIB:

@@ -1,5 +1,5 @@
 """``make_engine`` for the service and stack tests: the engine tests' factory with the
-workers' default KV dtype (``EngineArgs``: float16 on the CPU), so an in-process reference
+workers' default KV dtype (``EngineConfig``'s auto: float16 on the CPU), so an in-process reference
 computes what a served request does. A conftest imports ``served_make_engine``; pytest
 registers it under the fixture name ``make_engine``."""
 
@@ -10,9 +10,9 @@ from collections.abc import Callable
 import pytest
 
 from engine.checkpoint import Checkpoint
+from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.tokenizer import Tokenizer
-from services.common.engine_args import EngineArgs
 from tests.engine.conftest import engine_factory
 
 
@@ -20,5 +20,5 @@ from tests.engine.conftest import engine_factory
 def served_make_engine(
     default_checkpoint: Checkpoint, default_tokenizer: Tokenizer
 ) -> Callable[..., LLMEngine]:
-    served = EngineArgs(device="cpu").kv_dtype("cpu", "float32")
+    served = EngineConfig(device="cpu").resolved().kv_cache_dtype
     return engine_factory(default_checkpoint, default_tokenizer, kv_cache_dtype=served)

@@ -16,7 +16,11 @@ def greedy_texts(questions: Sequence[str], max_tokens: int) -> dict[str, str]:
     unique = sorted(set(questions))
     ckpt = load_checkpoint()
     tok = Tokenizer.from_path(ckpt.path)
-    engine = LLMEngine(EngineConfig(num_kv_blocks=512), checkpoint=ckpt, tokenizer=tok)
+    engine = LLMEngine(
+        EngineConfig(weights="float32", kv_cache_dtype="float32", num_kv_blocks=512),
+        checkpoint=ckpt,
+        tokenizer=tok,
+    )
     prompts = [
         tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in unique
     ]

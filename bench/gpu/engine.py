@@ -40,7 +40,7 @@ def _engine(args: argparse.Namespace, max_seqs: int):  # -> LLMEngine (torch sta
         num_kv_blocks=-(-tokens // 16) + max_seqs,
         max_num_seqs=max_seqs,
         max_num_batched_tokens=max(args.prefill_tokens, max_seqs * args.context, 512),
-        enable_prefix_caching=False,
+        prefix_caching=False,
         # room for each prompt and what it generates here (a prefill samples one token)
         max_model_len=max(args.prefill_tokens, args.context + args.iters) + 8,
     )

@@ -91,11 +91,12 @@ def _engine(cfg: ProfileConfig, ckpt: Any) -> Any:  # -> LLMEngine (torch stays 
     engine = LLMEngine(
         EngineConfig(
             dtype=cfg.dtype,
+            kv_cache_dtype=cfg.dtype,
             block_size=block,
             num_kv_blocks=num_blocks,
             max_num_seqs=max(cfg.decode_batches),
-            enable_prefix_caching=False,
-            num_threads=cfg.threads,
+            prefix_caching=False,
+            threads=cfg.threads,
         ),
         checkpoint=ckpt,
         tokenizer=Tokenizer.from_path(ckpt.path),

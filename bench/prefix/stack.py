@@ -71,13 +71,14 @@ def kv_layout() -> KvLayout:
     seconds of CPU, so once a run, before any stack starts."""
 
     from engine.checkpoint import load_checkpoint
+    from engine.device import DTYPES
+    from engine.engine_config import EngineConfig
     from engine.kv_cache import KVCacheSpec
-    from services.common.engine_args import EngineArgs
 
-    engine = EngineArgs().engine_config()
+    engine = EngineConfig().resolved()
     config = load_checkpoint(engine.model).config
     spec = KVCacheSpec.for_model(
-        config, num_blocks=1, block_size=engine.block_size, dtype=engine.torch_dtype
+        config, num_blocks=1, block_size=engine.block_size, dtype=DTYPES[engine.dtype]
     )
     return KvLayout(
         block_size=engine.block_size, block_bytes=2 * spec.num_layers * spec.block_bytes

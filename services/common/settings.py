@@ -5,7 +5,7 @@ The rules, the same for every service:
 
 - field ``drain_timeout_s`` is the flag ``--drain-timeout-s`` and the variable
   ``PDSERVE_<SERVICE>_DRAIN_TIMEOUT_S``. A field whose type is a dataclass (``engine:
-  EngineArgs``) adds that dataclass's fields under their own names (flattened), so a name
+  EngineConfig``) adds that dataclass's fields under their own names (flattened), so a name
   must be unique across the whole tree;
 - the help text is the field's ``help`` (declare fields with ``setting``; a nested config
   is ``field(default_factory=...)``, whose instance may change the nested defaults for

@@ -18,12 +18,12 @@ import structlog
 import torch
 
 from engine.async_engine import AsyncEngine, EngineStats
+from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheSpec
 from engine.llm_engine import LLMEngine
 from kernels.paged_attention import cpu_kernel_available
 from pdserve.v1 import common_pb2, scheduler_pb2
 from services.common import metrics, process
-from services.common.engine_args import EngineArgs
 from services.common.kv_store import StoreLink
 from services.common.placement_token import VerifyKeys, region_digest
 from services.common.registration import Registrar
@@ -46,7 +46,7 @@ def host_id() -> str:
 
 
 def build_engine(
-    args: EngineArgs,
+    args: EngineConfig,
     tuning: Tuning,
     role: str,
     kv_memory: Callable[[KVCacheSpec], torch.Tensor] | None = None,
@@ -55,11 +55,11 @@ def build_engine(
     """The ``role`` worker's engine, driven by its own thread laid out by ``tuning`` (not
     started yet); ``options``: further ``AsyncEngine`` arguments."""
     t0 = time.monotonic()
-    config = args.engine_config(tuning.engine_cpus, role)
+    config = args.resolved(role, tuning.engine_cpus)
     if role == "prefill" and kv_memory is None:
         # The pool the transfer reads: the engine's own on the CPU, else a host pool its
         # layers are staged into (engine/kv_staging.py), page-locked for a GPU's copies.
-        pinned = config.torch_device.type == "cuda"
+        pinned = config.device.startswith("cuda")
         kv_memory = functools.partial(host_pool_memory, pinned=pinned)
     engine = LLMEngine(config, kv_memory=kv_memory)
     if config.cpu_kernels:
@@ -129,7 +129,7 @@ def worker_info(
             block_size=engine.kv_spec.block_size,
             max_num_seqs=engine.config.max_num_seqs,
             max_model_len=engine.max_model_len,
-            max_num_batched_tokens=engine.scheduler.config.max_num_batched_tokens,
+            max_num_batched_tokens=engine.scheduler.limits.max_num_batched_tokens,
         ),
         host_id=host_id(),
         started_unix_ns=time.time_ns(),

@@ -45,7 +45,7 @@ def _build_local(cfg: GatewayConfig) -> tuple[EngineBackend, ServedModel]:
     from services.gateway.engine_backend import EngineBackend
     from services.gateway.served_model import ServedModel
 
-    engine = LLMEngine(cfg.engine.engine_config(cfg.tuning.engine_cpus))
+    engine = LLMEngine(cfg.engine.resolved(cpus=cfg.tuning.engine_cpus))
     name = cfg.served_model_name or _default_model_name(cfg.engine.model)
     aengine = AsyncEngine(engine, **cfg.tuning.engine_options())
     backend = EngineBackend(aengine)

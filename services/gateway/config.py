@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.engine_config import EngineConfig
 from services.common import settings
 from services.common.cluster_auth import ClusterAuthArgs
-from services.common.engine_args import EngineArgs
 from services.common.faults import FaultArgs
 from services.common.settings import LOG_LEVELS, log_level, setting
 from services.common.tuning import Tuning
@@ -118,7 +118,7 @@ class GatewayConfig:
     cluster: ClusterAuthArgs = field(default_factory=ClusterAuthArgs)
     fault_args: FaultArgs = field(default_factory=FaultArgs)
     # The local backend's engine; the cluster backend reads only model and max_model_len.
-    engine: EngineArgs = field(default_factory=EngineArgs)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     tuning: Tuning = field(default_factory=Tuning)
 
     def __post_init__(self) -> None:

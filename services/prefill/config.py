@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.engine_config import EngineConfig
 from services.common import settings
 from services.common.cluster_auth import ClusterAuthArgs
-from services.common.engine_args import EngineArgs
 from services.common.faults import FaultArgs
 from services.common.settings import setting
 from services.common.tuning import Tuning
@@ -36,7 +36,7 @@ class PrefillConfig:
     store: KVStoreArgs = field(default_factory=KVStoreArgs)
     cluster: ClusterAuthArgs = field(default_factory=ClusterAuthArgs)
     fault_args: FaultArgs = field(default_factory=FaultArgs)
-    engine: EngineArgs = field(default_factory=EngineArgs)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     tuning: Tuning = field(default_factory=Tuning)
 
     def __post_init__(self) -> None:

@@ -3,7 +3,7 @@
 ``check_compose`` parses every service's command with that service's own ``load_config``
 and cross-checks what the services are told about each other: scheduler and Redis
 addresses, ports, healthcheck ports, KV transports, replicas, drain times, and the engine
-settings (the ``EngineArgs`` defaults but for ``COMPOSE_ENGINE``).
+settings (the ``EngineConfig`` defaults but for ``COMPOSE_ENGINE``).
 ``check_dockerfile`` holds the image to an offline build (local base, wheelhouse only). Both
 return a list of problems; the mutation tests show each check can fail. The probe tests run
 the real healthcheck commands and the advertise-host wrapper; ``test_live_stack.py`` runs the
@@ -34,8 +34,8 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from engine.engine_config import EngineConfig
 from kvstore.master import master_argv
-from services.common.engine_args import EngineArgs
 from services.scheduler.policy import HOST_LOCAL_TRANSPORTS
 from tests.service_argv import ALL_INTERFACES, PARSERS, WORKERS, Problem, parse_service
 
@@ -63,8 +63,8 @@ NETWORK_TOOLS = re.compile(r"\b(apt-get|apt|curl|wget|git|conda|uv|poetry)\b|--i
 # What compose sets on purpose beyond the shared engine defaults: one torch thread per
 # worker container, whatever the host's cores (compose/README.md).
 COMPOSE_ENGINE = {
-    "services.prefill": EngineArgs(threads=1),
-    "services.decode": EngineArgs(threads=1),
+    "services.prefill": EngineConfig(threads=1),
+    "services.decode": EngineConfig(threads=1),
 }
 
 
@@ -226,7 +226,7 @@ def check_compose(compose: dict[str, Any]) -> list[str]:
     if len(set(models.values())) != 1:
         problems.append(f"services load different models: {models}")
     for module, (name, cfg) in parsed.items():
-        want = COMPOSE_ENGINE.get(module, EngineArgs())
+        want = COMPOSE_ENGINE.get(module, EngineConfig())
         if module != "services.scheduler" and cfg.engine != want:
             problems.append(f"{name}: engine settings {cfg.engine} are not {want}")
     return problems

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlparse
 
+from engine.engine_config import EngineConfig
 from kvstore.master import master_argv
-from services.common.engine_args import EngineArgs
 from services.scheduler.policy import HOST_LOCAL_TRANSPORTS
 from tests.deploy.k8s_stack import (
     POD_IP,
@@ -410,7 +410,7 @@ def _check_worker(svc: Service, sched: Service, sched_addrs: set[str]) -> list[s
     if svc.workload["kind"] != "Deployment":
         problems.append(f"{svc.name}: workers are a Deployment")
     cpus = quantity(((svc.container.get("resources") or {}).get("limits") or {}).get("cpu", 0))
-    want = EngineArgs(threads=int(cpus) or None)
+    want = EngineConfig(threads=int(cpus) or None)
     if svc.cfg.engine != want or cpus != int(cpus):
         problems.append(
             f"{svc.name}: engine settings {svc.cfg.engine} are not {want} (one torch thread "

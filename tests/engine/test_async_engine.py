@@ -114,7 +114,7 @@ async def test_a_prefills_blocks_stay_held_until_release_even_when_cancelled(
     """A transfer may still read a prefill's blocks after the caller stopped waiting for
     it: only ``release`` frees them, and it drops the prompt too if it had not run."""
     ids = default_tokenizer.encode("The three primary colors are")
-    pre = AsyncEngine(make_engine(num_kv_blocks=32, enable_prefix_caching=False))
+    pre = AsyncEngine(make_engine(num_kv_blocks=32, prefix_caching=False))
     pre.start()
 
     async def free() -> int:

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from engine.checkpoint import Checkpoint
-from engine.errors import InvalidRequestError
 from engine.forward_batch import DecodeBatch, ForwardBatch, PrefillSegment
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model import LlamaModel
@@ -85,8 +84,7 @@ def _compare(make, prompts, batch_invariant: bool) -> tuple[int, int, int]:
     equal, token divergences)."""
     original = make(batch_invariant).generate(prompts, [_params(i) for i in range(len(prompts))])
     other = make(
-        batch_invariant, enable_prefix_caching=False, chunked_prefill=True,
-        max_num_batched_tokens=16,
+        batch_invariant, prefix_caching=False, chunked_prefill=16,
     )  # fmt: skip
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -164,7 +162,7 @@ def test_a_rows_logprob_does_not_depend_on_its_batch() -> None:
 
 
 def test_it_needs_packed_weights_on_the_cpu(default_checkpoint: Checkpoint) -> None:
-    with pytest.raises(InvalidRequestError, match="batch_invariant runs packed quantized"):
+    with pytest.raises(ValueError, match="batch_invariant runs packed quantized"):
         EngineConfig(weights="float32", batch_invariant=True)
     ck = default_checkpoint  # float32 tensors
     with pytest.raises(ValueError, match="needs every product on packed quantized weights"):

@@ -57,7 +57,7 @@ GREEDY = SamplingParams(max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def alone(make_engine: Callable[..., LLMEngine], default_tokenizer: Tokenizer) -> list[list[int]]:
-    engine = make_engine(enable_prefix_caching=False)
+    engine = make_engine(prefix_caching=False)
     return [engine.generate([p], GREEDY)[0].token_ids for p in _prompts(default_tokenizer)]
 
 
@@ -67,23 +67,21 @@ def test_prompts_have_mixed_lengths(default_tokenizer: Tokenizer) -> None:
 
 
 def test_batch_of_16_equals_alone(make_engine, default_tokenizer, alone) -> None:
-    engine = make_engine(enable_prefix_caching=False)
+    engine = make_engine(prefix_caching=False)
     prompts = _prompts(default_tokenizer)
     res = engine.generate(prompts, GREEDY)
     assert_greedy_equal(engine, prompts, [r.token_ids for r in res], alone)
 
 
 def test_chunked_prefill_equals_alone(make_engine, default_tokenizer, alone) -> None:
-    engine = make_engine(
-        enable_prefix_caching=False, chunked_prefill=True, max_num_batched_tokens=48
-    )
+    engine = make_engine(prefix_caching=False, chunked_prefill=48)
     prompts = _prompts(default_tokenizer)
     res = engine.generate(prompts, GREEDY)
     assert_greedy_equal(engine, prompts, [r.token_ids for r in res], alone)
 
 
 def test_cached_prefix_equals_alone(make_engine, default_tokenizer, alone) -> None:
-    engine = make_engine(enable_prefix_caching=True)
+    engine = make_engine(prefix_caching=True)
     prompts = _prompts(default_tokenizer)
     warm = engine.generate([prompts[0]], GREEDY)[0]
     assert warm.token_ids == alone[0]
@@ -95,9 +93,7 @@ def test_cached_prefix_equals_alone(make_engine, default_tokenizer, alone) -> No
 def test_cached_prefix_with_chunked_prefill_equals_alone(
     make_engine, default_tokenizer, alone
 ) -> None:
-    engine = make_engine(
-        enable_prefix_caching=True, chunked_prefill=True, max_num_batched_tokens=40
-    )
+    engine = make_engine(prefix_caching=True, chunked_prefill=40)
     prompts = _prompts(default_tokenizer)
     engine.generate([prompts[3]], GREEDY)
     res = engine.generate(prompts, GREEDY)
@@ -107,7 +103,7 @@ def test_cached_prefix_with_chunked_prefill_equals_alone(
 
 def test_preemption_under_kv_pressure_equals_alone(make_engine, default_tokenizer, alone) -> None:
     # 16 sequences of ~80-140 tokens need ~110 blocks at the end; 60 forces preemption.
-    engine = make_engine(enable_prefix_caching=False, num_kv_blocks=60)
+    engine = make_engine(prefix_caching=False, num_kv_blocks=60)
     prompts = _prompts(default_tokenizer)
     res = engine.generate(prompts, GREEDY)
     assert engine.num_preemptions > 0

@@ -46,7 +46,7 @@ async def test_a_long_prompt_runs_in_chunks_and_a_cancel_stops_it(
     ids = default_tokenizer.encode(TEXT)
     budget = 48
     pre = AsyncEngine(
-        make_engine(num_kv_blocks=64, enable_prefix_caching=False), prefill_token_budget=budget
+        make_engine(num_kv_blocks=64, prefix_caching=False), prefill_token_budget=budget
     )
     pre.start()
 

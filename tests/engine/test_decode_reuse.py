@@ -122,7 +122,7 @@ def test_reused_blocks_are_referenced_once_per_holder_and_freed_exactly_once(
     assert _owned(decode, a.block_ids[:k]) == [3] * k
     assert decode.release(key)
     assert _owned(decode, a.block_ids) == [2] * k + [0] * (len(a.block_ids) - k)
-    assert decode.cancel_reservation("b")
+    assert decode.release("b")
     assert _owned(decode, a.block_ids[:k]) == [1] * k
     assert decode.abort_request("a")
     assert _owned(decode, a.block_ids[:k]) == [0] * k

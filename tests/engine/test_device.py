@@ -15,7 +15,6 @@ from engine.model_runner import build_forward_batch
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
-from services.common.engine_args import EngineArgs
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 
@@ -40,37 +39,22 @@ def test_unknown_devices_are_refused(device: str, message: str) -> None:
 
 @no_cuda
 def test_cuda_without_a_gpu_is_a_clear_error() -> None:
-    with pytest.raises(InvalidRequestError, match="torch sees no CUDA device"):
-        EngineConfig(device="cuda")
-    with pytest.raises(InvalidRequestError, match="torch sees no CUDA device"):
-        EngineArgs(device="cuda:1").engine_config()
+    for device in ("cuda", "cuda:1"):
+        with pytest.raises(InvalidRequestError, match="torch sees no CUDA device"):
+            EngineConfig(device=device).resolved()
 
 
-def test_engine_config_names_the_concrete_device_and_dtype() -> None:
-    config = EngineConfig(device="cpu")
+def test_a_resolved_config_names_the_concrete_device_and_dtype() -> None:
+    config = EngineConfig(device="cpu").resolved()
     assert (config.device, config.dtype, config.uses_triton) == ("cpu", "float32", False)
-    assert EngineConfig(device="cpu", dtype="bfloat16").torch_dtype is torch.bfloat16
+    assert EngineConfig(device="cpu", dtype="bfloat16").resolved().dtype == "bfloat16"
     assert EngineConfig(device="cpu", triton_kernels=True).uses_triton
-    with pytest.raises(InvalidRequestError, match="dtype must be one of"):
-        EngineConfig(dtype="float64")
-
-
-def test_engine_args_pick_weights_per_device() -> None:
-    args = EngineArgs()
-    assert (args.device, args.dtype) == ("auto", "auto")
-    assert args.weight_format("decode", "cpu", "float32") == "quantized"
-    assert args.weight_format("decode", "cuda", "bfloat16") == "float32"
-    assert args.weight_format("decode", "cuda", "float32") == "float32"
-    assert args.weight_format("prefill", "cpu", "float32") == "float32"
     if not torch.cuda.is_available():
-        config = args.engine_config(role="decode")
-        assert (config.device, config.dtype, config.weights) == ("cpu", "float32", "quantized")
+        assert EngineConfig().resolved().device == "cpu"
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        EngineConfig(dtype="float64")
     with pytest.raises(ValueError, match="auto, cpu, cuda or cuda:N"):
-        EngineArgs(device="gpu0")
-    with pytest.raises(ValueError, match="runs on the CPU only"):
-        EngineArgs(device="cuda", weights="quantized")
-    with pytest.raises(ValueError, match="computes in float32"):
-        EngineArgs(dtype="bfloat16", weights="quantized")
+        EngineConfig(device="gpu0")
 
 
 def _scheduled(make_engine: Callable[..., LLMEngine]) -> tuple[LLMEngine, list[ScheduledSeq]]:

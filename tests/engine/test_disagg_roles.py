@@ -117,9 +117,9 @@ def test_reservations_are_bounded_and_cancellable(make_engine, prompts) -> None:
     decode.reserve("b", prompts[1], GREEDY)
     with pytest.raises(ResourceExhaustedError):
         decode.reserve("c", prompts[2], GREEDY)
-    assert decode.cancel_reservation("a")
+    assert decode.release("a")
     assert decode.abort_request("b")
-    assert not decode.cancel_reservation("a")
+    assert not decode.release("a")
     assert decode.blocks.num_free_blocks == decode.blocks.num_blocks
 
 
@@ -146,7 +146,7 @@ def test_staged_pools_give_the_colocated_tokens(
     overwritten by an upload."""
 
     def staged(blocks: int) -> LLMEngine:
-        config = EngineConfig(kv_staging=True, num_kv_blocks=blocks)
+        config = EngineConfig(kv_staging=True, num_kv_blocks=blocks, kv_cache_dtype="float32")
         return LLMEngine(
             config, checkpoint=default_checkpoint, tokenizer=default_tokenizer,
             kv_memory=_host_memory,
@@ -164,7 +164,7 @@ def test_staged_pools_give_the_colocated_tokens(
     present = list(reservation.block_ids[: reservation.num_present_tokens // 16])
     before = decode.kv.pool[:, :, present].clone()
     assert decode.kv_host.pool[:, :, present].ne(before).any()  # computed here, never sent
-    decode.cancel_reservation("probe")
+    decode.release("probe")
     second = _disaggregated(prefill, decode, [longer], GREEDY)
     # the prefill engine's hit is shorter than the colocated one's: it computes more rows at once
     want = [colocated.generate([longer], GREEDY)[0].token_ids]

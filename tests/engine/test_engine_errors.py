@@ -84,5 +84,5 @@ def test_corrupt_gguf(tmp_path: Path) -> None:
     [({"dtype": "int3"}, "dtype"), ({"block_size": 12}, "block_size")],
 )
 def test_bad_engine_config(kwargs, match) -> None:
-    with pytest.raises(InvalidRequestError, match=match):
+    with pytest.raises(ValueError, match=match):
         EngineConfig(**kwargs)

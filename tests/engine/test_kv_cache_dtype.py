@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from engine.checkpoint import Checkpoint
-from engine.errors import InvalidRequestError
 from engine.kv_cache import KVCacheSpec
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
@@ -24,22 +23,31 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
 def test_config_resolves_and_refuses() -> None:
-    assert EngineConfig(device="cpu").kv_cache_dtype == "float32"  # auto: the engine's dtype
-    assert EngineConfig(device="cpu", dtype="bfloat16").kv_cache_dtype == "bfloat16"
-    assert EngineConfig(device="cpu", kv_cache_dtype="float16").torch_kv_dtype == torch.float16
-    with pytest.raises(InvalidRequestError, match="kv_cache_dtype must be one of"):
+    # auto: float16 under float32 compute on the CPU, else the engine's dtype
+    assert EngineConfig(device="cpu").resolved().kv_cache_dtype == "float16"
+    assert EngineConfig(device="cpu", dtype="bfloat16").resolved().kv_cache_dtype == "bfloat16"
+    triton = EngineConfig(device="cpu", triton_kernels=True).resolved()
+    assert triton.kv_cache_dtype == "float32"  # the Triton kernels store the engine's dtype
+    assert EngineConfig(device="cpu", kv_cache_dtype="float32").resolved().kv_cache_dtype == (
+        "float32"
+    )
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(device="cpu", kv_cache_dtype="int8")
-    with pytest.raises(InvalidRequestError, match="float16 under float32 on the CPU"):
-        EngineConfig(device="cpu", kv_cache_dtype="bfloat16")
-    with pytest.raises(InvalidRequestError, match="float16 under float32 on the CPU"):
+    with pytest.raises(ValueError, match="kv_cache_dtype bfloat16 needs bfloat16 compute"):
+        EngineConfig(device="cpu", kv_cache_dtype="bfloat16").resolved()
+    with pytest.raises(ValueError, match="float16 needs float32 compute on the CPU"):
         EngineConfig(device="cpu", dtype="bfloat16", kv_cache_dtype="float16")
-    with pytest.raises(InvalidRequestError, match="Triton"):
+    with pytest.raises(ValueError, match="float16 needs float32 compute on the CPU"):
+        EngineConfig(device="cuda", kv_cache_dtype="float16")
+    with pytest.raises(ValueError, match="kv_cache_dtype float32 needs float32 compute"):
+        EngineConfig(dtype="float16", kv_cache_dtype="float32")
+    with pytest.raises(ValueError, match="Triton"):
         EngineConfig(device="cpu", kv_cache_dtype="float16", triton_kernels=True)
 
 
 def test_pool_is_half_the_bytes(make_engine: Callable[..., LLMEngine]) -> None:
-    wide = make_engine(num_kv_blocks=None, kv_cache_bytes=64 << 20)
-    narrow = make_engine(num_kv_blocks=None, kv_cache_bytes=64 << 20, kv_cache_dtype="float16")
+    wide = make_engine(num_kv_blocks=None, kv_cache_mib=64)
+    narrow = make_engine(num_kv_blocks=None, kv_cache_mib=64, kv_cache_dtype="float16")
     assert narrow.kv.pool.dtype == torch.float16
     assert narrow.kv_spec.bytes_per_token * 2 == wide.kv_spec.bytes_per_token
     assert narrow.blocks.num_blocks == 2 * wide.blocks.num_blocks  # the same budget
@@ -84,11 +92,10 @@ def test_chunks_and_prefix_hits_read_what_one_pass_read(
     """A chunk reads its predecessors' KV back from the pool, a prefix hit reads another
     request's: both as stored in float16. Attention reads a chunk's own fresh keys as
     stored too, so the tokens do not depend on how the context got there."""
-    one_pass = make_engine(kv_cache_dtype="float16", enable_prefix_caching=False)
+    one_pass = make_engine(kv_cache_dtype="float16", prefix_caching=False)
     want = [r.token_ids for r in one_pass.generate(prompts, GREEDY)]
     chunked = make_engine(
-        kv_cache_dtype="float16", chunked_prefill=True, max_num_batched_tokens=8,
-        enable_prefix_caching=False,
+        kv_cache_dtype="float16", chunked_prefill=8, prefix_caching=False,
     )  # fmt: skip
     # the same stored values, but chunks and hits run other GEMM shapes (float32 sum orders)
     got = [r.token_ids for r in chunked.generate(prompts, GREEDY)]

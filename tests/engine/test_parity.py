@@ -39,7 +39,10 @@ def test_greedy_parity_default_gguf(
 def test_greedy_parity_tiny_safetensors(tmp_path: Path, default_tokenizer: Tokenizer) -> None:
     model_dir = write_tiny_hf_checkpoint(tmp_path / "tiny", seed=3)
     ckpt = load_checkpoint(model_dir)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=256), checkpoint=ckpt)
+    engine = LLMEngine(
+        EngineConfig(model=str(model_dir), num_kv_blocks=256, kv_cache_dtype="float32"),
+        checkpoint=ckpt,
+    )
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = parity_prompts(default_tokenizer)[:6]
     refs = hf_references(hf, prompts, engine.tokenizer.eos_token_ids)

@@ -137,7 +137,7 @@ def test_a_penalised_stream_resumed_elsewhere_continues_exactly(
     )  # fmt: skip
     full = engine.generate([prompt], params)[0]
     other = LLMEngine(
-        dataclasses.replace(engine.config, enable_prefix_caching=False),
+        dataclasses.replace(engine.config, prefix_caching=False),
         checkpoint=quantized_checkpoint, tokenizer=default_tokenizer,
     )  # fmt: skip
     for cut in (1, 12):

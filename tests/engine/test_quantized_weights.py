@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from engine.checkpoint import Checkpoint, load_checkpoint
-from engine.errors import InvalidRequestError, ModelLoadError
+from engine.errors import ModelLoadError
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -33,7 +33,7 @@ def make_quantized(
     quantized_checkpoint: Checkpoint, default_tokenizer: Tokenizer
 ) -> Callable[..., LLMEngine]:
     def make(**overrides: object) -> LLMEngine:
-        overrides.setdefault("num_kv_blocks", 512)
+        overrides = {"num_kv_blocks": 512, "kv_cache_dtype": "float32", **overrides}
         cfg = EngineConfig(weights="quantized", **overrides)  # type: ignore[arg-type]
         return LLMEngine(cfg, checkpoint=quantized_checkpoint, tokenizer=default_tokenizer)
 
@@ -113,7 +113,8 @@ def test_tiny_gguf_quantized_equals_float32(
     path = _tiny(tmp_path / "tiny.gguf", tensor_type=tensor_type, tensor_types=types, tie=False)
     engines = {
         w: LLMEngine(
-            EngineConfig(model=str(path), num_kv_blocks=64, weights=w), tokenizer=default_tokenizer
+            EngineConfig(model=str(path), num_kv_blocks=64, weights=w, kv_cache_dtype="float32"),
+            tokenizer=default_tokenizer,
         )
         for w in ("quantized", "float32")
     }
@@ -142,9 +143,9 @@ def test_corrupt_block_in_a_file_is_a_load_error(tmp_path: Path) -> None:
 
 
 def test_weight_format_falls_back_and_validates() -> None:
-    with pytest.raises(InvalidRequestError, match="float32"):
+    with pytest.raises(ValueError, match="float32"):
         EngineConfig(weights="quantized", dtype="bfloat16")
-    with pytest.raises(InvalidRequestError, match="weights must be one of"):
+    with pytest.raises(ValueError, match="weights must be one of"):
         EngineConfig(weights="int8")
 
 

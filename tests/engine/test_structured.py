@@ -240,7 +240,7 @@ def test_a_constrained_stream_resumed_elsewhere_continues_exactly(
     full = engine.generate([prompt], params)[0]
     assert full.finish_reason == "stop" and len(full.token_ids) > 12
     other = LLMEngine(
-        dataclasses.replace(engine.config, enable_prefix_caching=False),
+        dataclasses.replace(engine.config, prefix_caching=False),
         checkpoint=quantized_checkpoint, tokenizer=default_tokenizer,
     )  # fmt: skip
     for cut in (1, 12):

@@ -31,7 +31,7 @@ def engine(quantized_checkpoint: Checkpoint, default_tokenizer: Tokenizer) -> LL
 @pytest.fixture(scope="module")
 def other(engine: LLMEngine, quantized_checkpoint, default_tokenizer) -> LLMEngine:
     """Where a stream migrates to: no prefix cache, so prompt + resumed tokens are computed."""
-    cfg = dataclasses.replace(engine.config, enable_prefix_caching=False)
+    cfg = dataclasses.replace(engine.config, prefix_caching=False)
     return LLMEngine(cfg, checkpoint=quantized_checkpoint, tokenizer=default_tokenizer)
 
 

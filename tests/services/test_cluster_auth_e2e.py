@@ -20,12 +20,13 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine.device import DTYPES
+from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheSpec
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common import cluster_auth, placement_token
 from services.common.cluster_auth import ClusterAuth
 from services.common.convert import handle_to_proto
-from services.common.engine_args import EngineArgs
 from tests.services.procs import ServiceProcess, start_service
 from transfer.handle import KVLayout
 from transfer.registry import get_transport
@@ -144,10 +145,10 @@ async def test_prefill_without_the_token_is_unauthenticated(services) -> None:
 @pytest.fixture
 def regions(default_checkpoint):
     """Two KV regions of this process, laid out like the prefill worker's pool (shm)."""
-    cfg = EngineArgs(device="cpu").engine_config(role="prefill")
+    cfg = EngineConfig(device="cpu").resolved(role="prefill")
     spec = KVCacheSpec.for_model(
         default_checkpoint.config, num_blocks=4, block_size=cfg.block_size,
-        dtype=cfg.torch_kv_dtype,
+        dtype=DTYPES[cfg.kv_cache_dtype],
     )  # fmt: skip
     transport = get_transport("shm")
     try:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from engine.engine_config import EngineConfig
 from services.common import settings
-from services.common.engine_args import EngineArgs
 from services.decode.config import load_config as decode_config
 from services.prefill.config import load_config as prefill_config
 from services.up import UpConfig, load_up_config, pin_plan, prefill_flags, worker_placement
@@ -64,7 +64,7 @@ def test_pinned_workers_keep_the_core_for_the_engine_thread_and_share_free_contr
 
 def test_engine_settings_reach_the_workers_as_their_own_flags() -> None:
     cfg = load_up_config(["--kv-cache-mib", "96", "--threads", "1", "--no-cpu-kernels"], {})
-    assert cfg.engine == EngineArgs(kv_cache_mib=96, threads=1, cpu_kernels=False)
+    assert cfg.engine == EngineConfig(kv_cache_mib=96, threads=1, cpu_kernels=False)
     argv = settings.to_argv(cfg.engine)
     assert prefill_config(argv, {}).engine == cfg.engine
     assert decode_config(argv, {}).engine == cfg.engine

@@ -56,7 +56,7 @@ def _peaky(ckpt: Checkpoint) -> Checkpoint:
 
 def _engine(checkpoint: Checkpoint, tokenizer: Tokenizer, **overrides: Any) -> LLMEngine:
     dtype = str(checkpoint.tensors["model.norm.weight"].dtype).removeprefix("torch.")
-    overrides.setdefault("num_kv_blocks", 64)
+    overrides = {"num_kv_blocks": 64, "kv_cache_dtype": dtype, **overrides}  # the Triton KV's
     config = EngineConfig(device="cpu", dtype=dtype, cpu_kernels=False, **overrides)
     return LLMEngine(config, checkpoint=checkpoint, tokenizer=tokenizer)
 
@@ -89,7 +89,7 @@ def check_same_tokens(checkpoint: Checkpoint, tokenizer: Tokenizer) -> None:
     layers = checkpoint.config.num_layers
     variants: list[dict[str, Any]] = [
         {},
-        {"chunked_prefill": True, "max_num_batched_tokens": 32, "block_size": 8},
+        {"chunked_prefill": 32, "block_size": 8},
     ]
     for overrides in variants:
         triton_path = _engine(checkpoint, tokenizer, triton_kernels=True, **overrides)

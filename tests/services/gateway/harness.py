@@ -73,7 +73,7 @@ async def running_gateway(
     make_engine: Callable[..., LLMEngine], *, http: bool = True, grpc: bool = True
 ) -> AsyncIterator[Gateway]:
     # No prefix caching: each request computes its own prompt, so outputs compare exactly.
-    engine = make_engine(max_model_len=MAX_MODEL_LEN, num_kv_blocks=64, enable_prefix_caching=False)
+    engine = make_engine(max_model_len=MAX_MODEL_LEN, num_kv_blocks=64, prefix_caching=False)
     backend = EngineBackend(AsyncEngine(engine))
     backend.start()
     service = GatewayService(

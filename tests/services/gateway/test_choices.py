@@ -109,7 +109,7 @@ async def test_choices_1_to_n_reuse_choice_0s_prompt_blocks(
 ) -> None:
     """With the prefix cache on, choices 1..n find every full block of the prompt computed
     by choice 0, and each choice's tokens equal its seeded single request's."""
-    engine = make_engine(max_model_len=512, num_kv_blocks=128, enable_prefix_caching=True)
+    engine = make_engine(max_model_len=512, num_kv_blocks=128, prefix_caching=True)
     backend = EngineBackend(AsyncEngine(engine))  # type: ignore[arg-type]
     backend.start()
     try:

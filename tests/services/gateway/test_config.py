@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.engine_args import EngineArgs
+from engine.engine_config import EngineConfig
 from services.gateway.config import GatewayConfig, load_config
 
 
@@ -12,7 +12,7 @@ def test_defaults() -> None:
     cfg = load_config([], {})
     assert cfg == GatewayConfig()
     assert (cfg.http_port, cfg.grpc_port, cfg.max_body_bytes) == (8000, 50051, 4 << 20)
-    assert cfg.api_keys == () and cfg.engine == EngineArgs()
+    assert cfg.api_keys == () and cfg.engine == EngineConfig()
 
 
 def test_flags_override_environment_override_defaults() -> None:
