@@ -6,7 +6,7 @@ For each prefix length, engine A computes a prompt of random token ids (so nothi
 cached) and its blocks go to the store; then engine B, whose pool holds none of them,
 (1) loads the prefix from the store (``kvstore.prefix.loaded_prefix``: lookup, read,
 check, copy into its pool) and (2) with a cold cache, computes the same prefix
-(``plan_prefill`` + ``run_prefill``). Each is timed ``--repeats`` times; the median is
+(``admit_prompt`` + ``run_prefill``). Each is timed ``--repeats`` times; the median is
 reported. Loading wins at a length when its time is below computing's; the ratio per
 token is what the scheduler's ``STORE_LOAD_TOKEN_COST`` stands for.
 
@@ -86,7 +86,7 @@ async def _measure(lengths: Sequence[int], repeats: int, threads: int) -> list[R
                 await aengine.call(lambda: None)  # the hold is dropped
                 await aengine.call(b.blocks.reset_prefix_cache)
                 t0 = time.perf_counter()
-                plan = await aengine.plan_prefill("c", ids[:n], params)
+                plan = await aengine.admit_prompt("c", ids[:n], params)
                 await aengine.run_prefill(plan)
                 computes.append(time.perf_counter() - t0)
                 await aengine.release("c")

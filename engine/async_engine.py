@@ -33,7 +33,7 @@ from typing import Any
 import structlog
 
 from engine.errors import InvalidRequestError
-from engine.llm_engine import LLMEngine, PrefillOutput, PrefillPlan, Reservation
+from engine.llm_engine import AdmittedPrompt, LLMEngine, PrefillOutput, Reservation
 from engine.output_processor import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.threads import core_set, name_current_thread, pin_current_thread
@@ -64,7 +64,7 @@ class EngineStats:
 
 @dataclass
 class _PrefillJob:
-    plan: PrefillPlan
+    prompt: AdmittedPrompt
     on_layer_kv: Callable[[int], None] | None
     on_computed: Callable[[int], None] | None
     future: Future[PrefillOutput]
@@ -224,13 +224,13 @@ class AsyncEngine:
         async for ev in self._drain(request_id, q):
             yield ev
 
-    async def plan_prefill(
+    async def admit_prompt(
         self,
         request_id: str,
         prompt_ids: Sequence[int],
         params: SamplingParams,
         resumed: Sequence[int] = (),
-    ) -> PrefillPlan:
+    ) -> AdmittedPrompt:
         """Prefill role: validate a prompt and hold its blocks (a cached prefix reused).
 
         Then ``run_prefill``, and ``release`` once the KV has been sent (also after a
@@ -238,7 +238,7 @@ class AsyncEngine:
         """
         try:
             return await self.call(
-                lambda: self.engine.plan_prefill(request_id, prompt_ids, params, resumed)
+                lambda: self.engine.admit_prompt(request_id, prompt_ids, params, resumed)
             )
         except asyncio.CancelledError:
             # The engine thread may have planned it anyway: nobody would release it.
@@ -247,7 +247,7 @@ class AsyncEngine:
 
     async def run_prefill(
         self,
-        plan: PrefillPlan,
+        prompt: AdmittedPrompt,
         on_layer_kv: Callable[[int], None] | None = None,
         on_computed: Callable[[int], None] | None = None,
     ) -> PrefillOutput:
@@ -262,21 +262,21 @@ class AsyncEngine:
         its blocks stay held until ``release``.
         """
         fut: Future[PrefillOutput] = Future()
-        job = _PrefillJob(plan, on_layer_kv, on_computed, fut)
+        job = _PrefillJob(prompt, on_layer_kv, on_computed, fut)
         try:
             await self.call(lambda: self._prefills.append(job))
             return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:  # queued after the append: it runs before the batch
-            self._commands.put((lambda: self._drop_queued(plan.request_id), Future()))
+            self._commands.put((lambda: self._drop_queued(prompt.request_id), Future()))
             raise
 
     def _drop_queued(self, request_id: str) -> None:
-        for job in [j for j in self._prefills if j.plan.request_id == request_id]:
+        for job in [j for j in self._prefills if j.prompt.request_id == request_id]:
             self._prefills.remove(job)
             job.future.cancel()
 
     async def release(self, request_id: str) -> bool:
-        """Free a prefill plan's blocks (kept in the prefix cache) or a reservation; a
+        """Free a admitted prompt's blocks (kept in the prefix cache) or a reservation; a
         prompt of it still queued is dropped first."""
 
         def release() -> bool:
@@ -409,7 +409,7 @@ class AsyncEngine:
         for job in self._prefills:
             if room <= 0:
                 break
-            pending = self.engine.prefill_pending(job.plan.request_id)
+            pending = self.engine.prefill_pending(job.prompt.request_id)
             n = min(pending, room)
             batch.append((job, n, n == pending))
             room -= n
@@ -422,7 +422,7 @@ class AsyncEngine:
         t0 = time.perf_counter()
         try:
             outs = self.engine.run_prefill(
-                [j.plan for j, _, _ in batch],
+                [j.prompt for j, _, _ in batch],
                 on_layer if hooks else None,
                 max_tokens=[n for _, n, _ in batch],
             )
@@ -441,7 +441,7 @@ class AsyncEngine:
                     j.on_computed(n)
                 except Exception:  # a counter's hook must never stop the engine
                     log.exception("on_computed_failed")
-            out = by_id.get(j.plan.request_id)
+            out = by_id.get(j.prompt.request_id)
             if out is not None:
                 self._prefills.remove(j)
                 j.future.set_result(out)
@@ -466,7 +466,7 @@ class AsyncEngine:
             # Prompt tokens accepted and not computed yet: queued prefill-only prompts, and
             # the prompts waiting in the batch scheduler (a local prefill).
             queued_prefill_tokens=sum(
-                eng.prefill_pending(j.plan.request_id) for j in self._prefills
+                eng.prefill_pending(j.prompt.request_id) for j in self._prefills
             )
             + sum(seq.pending for seq in sched.waiting),
         )

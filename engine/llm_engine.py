@@ -51,7 +51,7 @@ def _generator(params: SamplingParams, device: torch.device) -> torch.Generator 
 
 
 @dataclass(frozen=True)
-class PrefillPlan:
+class AdmittedPrompt:
     """A prompt admitted for a prefill-only pass: its local blocks are allocated."""
 
     request_id: str
@@ -157,7 +157,7 @@ class LLMEngine:
         self.grammars = Grammars(self.tokenizer, ckpt.config.vocab_size)
         self._ids = itertools.count()
         self.num_preemptions = 0
-        # Sequences outside the scheduler: prefill plans awaiting release, and decode
+        # Sequences outside the scheduler: admitted prompts awaiting release, and decode
         # reservations awaiting their KV. Their blocks are allocated.
         self._held: dict[str, Sequence] = {}
         # ``kv_export(hashes, block_ids)``: told, on the engine thread, of full blocks whose
@@ -331,7 +331,7 @@ class LLMEngine:
         return seq
 
     # -- disaggregated roles -----------------------------------------------------------
-    # A prefill worker calls plan_prefill -> run_prefill (in one pass, or chunk by chunk)
+    # A prefill worker calls admit_prompt -> run_prefill (in one pass, or chunk by chunk)
     # -> (send KV) -> release.
     # A decode worker calls reserve (its own cached prefix reused) -> (prefill worker fills
     # the other blocks) -> add_prefilled, or release if the prefill failed.
@@ -353,13 +353,13 @@ class LLMEngine:
             self.scheduler.undo_hit(seq, hit)
             raise
 
-    def plan_prefill(
+    def admit_prompt(
         self,
         request_id: str,
         prompt_ids: Seq[int],
         params: SamplingParams,
         resumed: Seq[int] = (),
-    ) -> PrefillPlan:
+    ) -> AdmittedPrompt:
         """Validate a prompt and allocate its blocks (reusing cached prefix blocks).
 
         ``resumed``: a migrated request's output tokens so far, computed after the prompt;
@@ -373,26 +373,26 @@ class LLMEngine:
         seq = self._sequence(request_id, ids, params, resumed)
         self._claim_blocks(seq)
         self._held[request_id] = seq
-        return PrefillPlan(
+        return AdmittedPrompt(
             request_id, tuple(seq.block_table), seq.num_tokens, seq.num_cached_tokens
         )
 
     def run_prefill(
         self,
-        plans: Seq[PrefillPlan],
+        prompts: Seq[AdmittedPrompt],
         on_layer_kv: Callable[[int], None] | None = None,
         *,
         max_tokens: Seq[int] | None = None,
     ) -> list[PrefillOutput]:
         """Compute planned prompts in one forward pass and sample the first token of each
-        prompt the pass completes; outputs in ``plans`` order, only for those.
+        prompt the pass completes; outputs in ``prompts`` order, only for those.
 
-        ``max_tokens[i]``: compute at most that many of ``plans[i]``'s tokens not computed
+        ``max_tokens[i]``: compute at most that many of ``prompts[i]``'s tokens not computed
         yet (a chunk; default: all of them). A prompt left unfinished is continued by a
         later call (``prefill_pending``). ``on_layer_kv(i)`` fires when layer ``i``'s KV of
         this pass is in the pool.
         """
-        seqs = [self._held[p.request_id] for p in plans]
+        seqs = [self._held[p.request_id] for p in prompts]
         limits = max_tokens if max_tokens is not None else [seq.pending for seq in seqs]
         items = [
             ScheduledSeq(seq, min(seq.pending, n)) for seq, n in zip(seqs, limits, strict=True)
@@ -422,7 +422,7 @@ class LLMEngine:
         return outs
 
     def prefill_pending(self, request_id: str) -> int:
-        """Tokens of a held prefill plan not computed yet (0 once ``run_prefill`` completed
+        """Tokens of a held admitted prompt not computed yet (0 once ``run_prefill`` completed
         it, or for an id not held)."""
         seq = self._held.get(request_id)
         return 0 if seq is None else seq.pending
@@ -438,7 +438,7 @@ class LLMEngine:
 
     # -- loading a prefix computed elsewhere (a KV store) ------------------------------
     # prefix_hashes -> claim_blocks -> (the loader fills them, off this thread) ->
-    # commit_loaded -> (plan_prefill / add_request / reserve find them as a prefix hit)
+    # commit_loaded -> (admit_prompt / add_request / reserve find them as a prefix hit)
     # -> free_blocks. All on the engine thread but the filling.
 
     def prefix_hashes(self, token_ids: Seq[int]) -> tuple[int, list[int]]:
@@ -477,7 +477,7 @@ class LLMEngine:
         return after_enqueued(self.device)
 
     def release(self, request_id: str) -> bool:
-        """Free a prefill plan's blocks (they stay in the prefix cache) or a reservation."""
+        """Free a admitted prompt's blocks (they stay in the prefix cache) or a reservation."""
         seq = self._held.pop(request_id, None)
         if seq is None:
             return False
@@ -567,16 +567,16 @@ class LLMEngine:
 
     # -- the loop --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
-        self.num_preemptions += len(plan.preempted)
-        if not plan.scheduled:
+        step = self.scheduler.schedule()
+        self.num_preemptions += len(step.preempted)
+        if not step.scheduled:
             return []
         now = time.monotonic()
-        for it in plan.scheduled:
+        for it in step.scheduled:
             if it.seq.first_scheduled_time is None:
                 it.seq.first_scheduled_time = now
-        sampled = self.runner.execute(plan.scheduled)
-        for it in plan.scheduled:
+        sampled = self.runner.execute(step.scheduled)
+        for it in step.scheduled:
             self.scheduler.advance(it)
         return [self._emit(s.item.seq, s.token_id, s.logprob, s.top) for s in sampled]
 

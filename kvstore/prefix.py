@@ -2,8 +2,8 @@
 
 ``loaded_prefix(aengine, store, token_ids)`` is an async context manager: on entry, the
 leading full blocks of ``token_ids`` that the engine lacks and the store holds are loaded
-into blocks of its pool and enter its prefix cache, so the engine's next plan (a prefill
-plan, a colocated request, a reservation) finds them as an ordinary prefix hit and
+into blocks of its pool and enter its prefix cache, so whatever next claims that prefix (an
+admitted prompt, a colocated request, a reservation) finds them as an ordinary prefix hit and
 computes only the rest; on exit the hold on those blocks is dropped (they stay cached).
 
 Stages: hashes and the local hit (engine thread) -> the store's run (loader thread) ->

@@ -9,7 +9,7 @@ the baseline. Every worker gets the same engine settings (``EngineConfig``, pass
 ``settings.to_argv``).
 
 Layout (``--pin``, the default; ``--no-pin`` lets the OS place everything): each worker
-gets its own CPU core (``pin_plan``: decode workers first, on cores outside
+gets its own CPU core (``assign_cores``: decode workers first, on cores outside
 ``--control-cpus`` first, so the latency-critical token loop is the last to share a core
 with the control plane); the core is the engine thread's, and the worker's I/O threads may
 also use control cores no worker computes on (``worker_placement``). The control plane
@@ -171,11 +171,11 @@ def prefill_flags(cfg: UpConfig) -> list[str]:
     return flags
 
 
-def pin_plan(workers: list[str], cores: list[int], control: set[int] | None) -> dict[str, int]:
+def assign_cores(workers: list[str], cores: list[int], control: set[int] | None) -> dict[str, int]:
     """One core per worker, round-robin: decode (and colocated) workers are placed before
     prefill workers, and cores outside ``control`` are handed out before control cores.
 
-    >>> pin_plan(["prefill-0", "decode-0"], [0, 1], {0})
+    >>> assign_cores(["prefill-0", "decode-0"], [0, 1], {0})
     {'decode-0': 1, 'prefill-0': 0}
     """
     order = [w for w in workers if not w.startswith("prefill-")]
@@ -186,28 +186,28 @@ def pin_plan(workers: list[str], cores: list[int], control: set[int] | None) -> 
 
 
 def worker_placement(
-    name: str, plan: dict[str, int], control: set[int] | None
+    name: str, assigned: dict[str, int], control: set[int] | None
 ) -> tuple[set[int] | None, list[str]]:
     """``(the worker process's cores, its pinning flags)`` under ``--pin``.
 
-    A worker's engine thread always gets its core from ``plan``. Its other threads (event
+    A worker's engine thread always gets its core from ``assigned``. Its other threads (event
     loop, gRPC, KV writers) may also run on the control cores that no worker's engine is
     pinned to: with ``--engine-cpus`` keeping the engine thread on its core, they then run
     beside a step's compute instead of queueing behind it for the one core (measured in
     docs/benchmarks.md, "Serving hop"). A control core that runs another worker's engine is
     no spare room: a prefill computing there would hold the tokens back longer (measured
     too, "Interference"), so without a free control core the whole process stays on its
-    core. A worker outside ``plan``: not pinned.
+    core. A worker outside ``assigned``: not pinned.
 
     >>> worker_placement("decode-0", {"decode-0": 1}, {0})
     ({0, 1}, ['--engine-cpus', '1'])
     >>> worker_placement("decode-0", {"decode-0": 1, "prefill-0": 0}, {0})
     ({1}, [])
     """
-    if name not in plan:
+    if name not in assigned:
         return None, []
-    core = plan[name]
-    spare = set(control or ()) - set(plan.values())
+    core = assigned[name]
+    spare = set(control or ()) - set(assigned.values())
     if not spare:
         return {core}, []
     return {core} | spare, ["--engine-cpus", str(core)]
@@ -292,14 +292,14 @@ def _start_workers(
     control: frozenset[int] | None,
 ) -> dict[str, _Worker]:
     """The colocated worker, or the prefill and decode workers, each on its cores
-    (``pin_plan``); ready when this returns. Keyed by worker name."""
+    (``assign_cores``); ready when this returns. Keyed by worker name."""
     names = (
         ["colocated-0"]
         if cfg.colocated
         else [f"prefill-{i}" for i in range(cfg.prefill)]
         + [f"decode-{i}" for i in range(cfg.decode)]
     )
-    plan = pin_plan(names, cores, control) if cfg.pin else {}
+    assigned = assign_cores(names, cores, control) if cfg.pin else {}
     store: list[str] = []
     if plane.kv_store is not None:
         store = ["--kv-store", plane.kv_store,
@@ -310,7 +310,7 @@ def _start_workers(
 
     def start_worker(name: str, module: str, *flags: str) -> None:
         port = free_port()
-        cpus, pin = worker_placement(name, plan, control)
+        cpus, pin = worker_placement(name, assigned, control)
         argv = py(module, *common, "--worker-id", name, *flags, *pin, "--metrics-port", str(port))
         workers[name] = _Worker(stack.start(Proc(name, argv, cpus)), f"{cfg.host}:{port}")
 

@@ -48,7 +48,8 @@ TRANSFER_BYTES = Counter(
 PROMPT_TOKENS_CACHED = Counter(
     "pdserve:prompt_tokens_cached_total",
     "Prompt tokens whose KV this worker already held (its prefix cache): a prefill worker's "
-    "plan hit, a decode worker's reserve hit for a remote prefill, a local prefill's hit.",
+    "admitted prompt's hit, a decode worker's reserve hit for a remote prefill, a local "
+    "prefill's hit.",
     ["role"],
 )
 PROMPT_TOKENS_COMPUTED = Counter(

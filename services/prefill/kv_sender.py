@@ -1,5 +1,5 @@
 """The prefill worker's half of a KV transfer, owned in one place: connect -> load a stored
-prefix -> plan -> begin -> layers -> finish or abort -> outcome -> release.
+prefix -> admit -> begin -> layers -> finish or abort -> outcome -> release.
 
 ``KVSender.send`` computes a prompt while its KV streams, layer by layer, into the blocks a
 decode worker reserved, and returns once the bytes are confirmed there. A prompt longer than
@@ -134,12 +134,12 @@ class KVSender:
         try:
             ids = [*prompt_ids, *resumed]
             async with loaded_prefix(self.aengine, store, ids, **loading) as loaded:
-                plan = await self.aengine.plan_prefill(key, prompt_ids, params, resumed)
+                admitted = await self.aengine.admit_prompt(key, prompt_ids, params, resumed)
         except Exception as e:
             raise SendFailed(e, fenced=True) from e
         job: TransferJob | None = None
         try:
-            sent_ids = plan.block_ids[dest.present_blocks :]
+            sent_ids = admitted.block_ids[dest.present_blocks :]
             job = writer.begin(
                 request_id, sent_ids, dest.block_ids[dest.present_blocks :], deadline=deadline
             )
@@ -150,7 +150,7 @@ class KVSender:
             # Counted as each pass computes them: a prompt abandoned between chunks counts
             # what it cost.
             count = metrics.PROMPT_TOKENS_COMPUTED.labels(ROLE).inc
-            running = self.aengine.run_prefill(plan, hook, count)
+            running = self.aengine.run_prefill(admitted, hook, count)
             out = await asyncio.wait_for(running, deadline - started)
             computed = time.monotonic()
             job.finish()
@@ -175,7 +175,7 @@ class KVSender:
             output=out,
             loaded=loaded,
             transfer=result,
-            num_tokens=plan.num_tokens,
+            num_tokens=admitted.num_tokens,
             queue_seconds=started - arrival,
             compute_seconds=computed - started,
             tail_seconds=time.monotonic() - computed,

@@ -27,7 +27,7 @@ from pdserve.v1 import (
 )
 from services.launcher import REDIS_USER, Stack, free_port, redis_password_file
 from services.supervisor import RestartPolicy, Supervisor
-from services.up import launch, load_up_config, pin_plan, worker_placement
+from services.up import assign_cores, launch, load_up_config, worker_placement
 from tests.e2e.supervision import supervised
 from tests.scrape import metric
 
@@ -106,7 +106,7 @@ def test_pinning_puts_each_worker_on_its_core_and_the_control_plane_on_core_0(
     cores = sorted(os.sched_getaffinity(0))
     workers = [p for p in st.procs if p.name.startswith(("prefill-", "decode-"))]
     assert [p.name for p in workers] == ["prefill-0", "prefill-1", "decode-0", "decode-1"]
-    plan = pin_plan([p.name for p in workers], cores, {0})
+    plan = assign_cores([p.name for p in workers], cores, {0})
     if cores == [0, 1]:  # CI's and this project's machines: decode workers first, off core 0
         assert plan == {"decode-0": 1, "decode-1": 0, "prefill-0": 1, "prefill-1": 0}
     for p in workers:

@@ -81,18 +81,18 @@ async def test_prefill_and_decode_roles(make_engine, default_tokenizer) -> None:
         blocks = (await dec.reserve("r", ids, GREEDY)).block_ids
         layers: list[int] = []
 
-        plan = await pre.plan_prefill("r", ids, GREEDY)
+        admitted = await pre.admit_prompt("r", ids, GREEDY)
 
         def hook(layer: int) -> None:
             layers.append(layer)
             src, dst = pre.engine.kv, dec.engine.kv
             bb = src.spec.block_bytes
             for kv in (0, 1):
-                for s, d in zip(plan.block_ids, blocks, strict=True):
+                for s, d in zip(admitted.block_ids, blocks, strict=True):
                     so, do = src.spec.offset(layer, kv, s), dst.spec.offset(layer, kv, d)
                     dst.as_bytes()[do : do + bb] = src.as_bytes()[so : so + bb]
 
-        out = await pre.run_prefill(plan, hook)
+        out = await pre.run_prefill(admitted, hook)
         assert layers == list(range(30))
         assert await pre.release("r")
         toks: list[int] = []
@@ -122,18 +122,18 @@ async def test_a_prefills_blocks_stay_held_until_release_even_when_cancelled(
 
     try:
         total = await free()
-        plan = await pre.plan_prefill("ran", ids, GREEDY)
+        admitted = await pre.admit_prompt("ran", ids, GREEDY)
         held = total - await free()
-        assert held == len(plan.block_ids) > 0
-        await pre.run_prefill(plan)
+        assert held == len(admitted.block_ids) > 0
+        await pre.run_prefill(admitted)
         assert await free() == total - held  # computed, still held
         assert await pre.release("ran") and await free() == total
 
-        plan = await pre.plan_prefill("cancelled", ids, GREEDY)
+        admitted = await pre.admit_prompt("cancelled", ids, GREEDY)
         layers: list[int] = []
         # Keep the engine thread busy so the prompt is still queued when the caller leaves.
         busy = asyncio.ensure_future(pre.call(lambda: time.sleep(0.3)))
-        task = asyncio.ensure_future(pre.run_prefill(plan, layers.append))
+        task = asyncio.ensure_future(pre.run_prefill(admitted, layers.append))
         await asyncio.sleep(0.05)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -25,8 +25,8 @@ def _kv_of(engine, block_ids) -> torch.Tensor:
 def test_chunks_give_one_passs_kv_and_first_token(make_engine, default_tokenizer) -> None:
     ids = default_tokenizer.encode(TEXT)
     whole, chunked = make_engine(num_kv_blocks=64), make_engine(num_kv_blocks=64)
-    (one,) = whole.run_prefill([plan := whole.plan_prefill("r", ids, GREEDY)])
-    plan_c = chunked.plan_prefill("r", ids, GREEDY)
+    (one,) = whole.run_prefill([admitted := whole.admit_prompt("r", ids, GREEDY)])
+    plan_c = chunked.admit_prompt("r", ids, GREEDY)
     outs, chunks = [], 0
     while chunked.prefill_pending("r"):
         outs += chunked.run_prefill([plan_c], max_tokens=[40])  # not a block multiple
@@ -36,7 +36,7 @@ def test_chunks_give_one_passs_kv_and_first_token(make_engine, default_tokenizer
     assert last.token_id == one.token_id and last.num_prompt_tokens == len(ids)
     # another GEMM shape per chunk: equal up to summation order, not bit for bit
     torch.testing.assert_close(
-        _kv_of(chunked, plan_c.block_ids), _kv_of(whole, plan.block_ids), rtol=1e-3, atol=1e-3
+        _kv_of(chunked, plan_c.block_ids), _kv_of(whole, admitted.block_ids), rtol=1e-3, atol=1e-3
     )
 
 
@@ -56,10 +56,10 @@ async def test_a_long_prompt_runs_in_chunks_and_a_cancel_stops_it(
     try:
         total = await free()
         # Run to the end: chunks of the budget, the layers handed over once, in the last.
-        plan = await pre.plan_prefill("whole", ids, GREEDY)
+        admitted = await pre.admit_prompt("whole", ids, GREEDY)
         chunks: list[int] = []
         layers: list[int] = []
-        out = await pre.run_prefill(plan, layers.append, chunks.append)
+        out = await pre.run_prefill(admitted, layers.append, chunks.append)
         assert chunks == [budget] * (len(ids) // budget) + [len(ids) % budget] * bool(
             len(ids) % budget
         )
@@ -69,7 +69,7 @@ async def test_a_long_prompt_runs_in_chunks_and_a_cancel_stops_it(
 
         # Cancelled once its first chunk is computed: no other chunk runs, no layer is
         # handed over, and the blocks stay held until release.
-        plan = await pre.plan_prefill("cancelled", ids, GREEDY)
+        admitted = await pre.admit_prompt("cancelled", ids, GREEDY)
         chunks.clear()
         layers.clear()
         loop = asyncio.get_running_loop()
@@ -82,7 +82,7 @@ async def test_a_long_prompt_runs_in_chunks_and_a_cancel_stops_it(
             loop.call_soon_threadsafe(task.cancel)
             left.wait(30)  # the engine thread's next pass comes after the caller left
 
-        task = asyncio.ensure_future(pre.run_prefill(plan, layers.append, on_computed))
+        task = asyncio.ensure_future(pre.run_prefill(admitted, layers.append, on_computed))
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(task, 60)
         left.set()

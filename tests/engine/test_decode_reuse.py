@@ -39,13 +39,13 @@ def _prefill_into(
 ) -> tuple[Reservation, PrefillOutput]:
     """Reserve on ``decode``, compute on ``prefill``, copy only the blocks ``decode`` lacks."""
     res = decode.reserve(rid, ids, GREEDY, resumed)
-    plan = prefill.plan_prefill(rid, ids, GREEDY, resumed)
+    admitted = prefill.admit_prompt(rid, ids, GREEDY, resumed)
     k = res.num_present_tokens // BS
 
     def copy(layer: int) -> None:
-        _copy_layer(prefill.kv, decode.kv, layer, plan.block_ids[k:], res.block_ids[k:])
+        _copy_layer(prefill.kv, decode.kv, layer, admitted.block_ids[k:], res.block_ids[k:])
 
-    (out,) = prefill.run_prefill([plan], copy)
+    (out,) = prefill.run_prefill([admitted], copy)
     assert prefill.release(rid)
     return res, out
 

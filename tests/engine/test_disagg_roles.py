@@ -42,18 +42,18 @@ def _disaggregated(prefill: LLMEngine, decode: LLMEngine, prompts, params) -> li
     ``prefill``, and only the blocks the reservation lacks copied across."""
     layers_seen: list[int] = []
     reserved = {}
-    plans = []
+    admitted = []
     for i, ids in enumerate(prompts):
         rid = f"r{i}"
         reserved[rid] = decode.reserve(rid, ids, params)
-        plans.append(prefill.plan_prefill(rid, ids, params))
+        admitted.append(prefill.admit_prompt(rid, ids, params))
     bs = decode.config.block_size
     moved = 0
 
     def on_layer(layer: int) -> None:
         nonlocal moved
         layers_seen.append(layer)
-        for p in plans:
+        for p in admitted:
             res = reserved[p.request_id]
             k = res.num_present_tokens // bs
             ready = prefill.stage_layer(layer, p.block_ids[k:])
@@ -62,7 +62,7 @@ def _disaggregated(prefill: LLMEngine, decode: LLMEngine, prompts, params) -> li
                 prefill.kv_host, decode.kv_host, layer, p.block_ids[k:], res.block_ids[k:]
             )
 
-    outs = prefill.run_prefill(plans, on_layer)
+    outs = prefill.run_prefill(admitted, on_layer)
     assert layers_seen == list(range(prefill.model_config.num_layers))
     missing = sum(len(r.block_ids) - r.num_present_tokens // bs for r in reserved.values())
     assert moved == missing * prefill.kv_spec.block_bytes * 2 * 30
@@ -103,8 +103,8 @@ def test_prefill_worker_reuses_its_prefix_cache(make_engine, prompts) -> None:
     prefill = make_engine(num_kv_blocks=64)
     decode = make_engine(num_kv_blocks=200)
     first = _disaggregated(prefill, decode, prompts[:1], GREEDY)
-    plan = prefill.plan_prefill("again", prompts[0], GREEDY)
-    assert plan.num_cached_tokens >= 16
+    admitted = prefill.admit_prompt("again", prompts[0], GREEDY)
+    assert admitted.num_cached_tokens >= 16
     prefill.release("again")
     second = _disaggregated(prefill, decode, prompts[:1], GREEDY)
     # the hit leaves fewer rows to compute: other GEMM shapes than the first time
@@ -125,9 +125,9 @@ def test_reservations_are_bounded_and_cancellable(make_engine, prompts) -> None:
 
 def test_full_pool_is_resource_exhausted(make_engine, prompts) -> None:
     prefill = make_engine(num_kv_blocks=4)
-    prefill.plan_prefill("a", prompts[1], GREEDY)
+    prefill.admit_prompt("a", prompts[1], GREEDY)
     with pytest.raises(ResourceExhaustedError):
-        prefill.plan_prefill("b", prompts[1], GREEDY)
+        prefill.admit_prompt("b", prompts[1], GREEDY)
     assert prefill.release("a")
     assert prefill.blocks.num_free_blocks == prefill.blocks.num_blocks
 

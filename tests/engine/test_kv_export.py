@@ -48,9 +48,9 @@ def test_prefill_tells_the_prompt_and_decode_only_the_output(make_engine):
     told_p, told_d = _recorder(prefill), _recorder(decode)
     ids = _ids(50)
     res = decode.reserve("r", ids, GREEDY)
-    plan = prefill.plan_prefill("r", ids, GREEDY)
-    (out,) = prefill.run_prefill([plan])
-    assert told_p == [(hash_blocks(ids, BS), list(plan.block_ids[: len(ids) // BS]))]
+    admitted = prefill.admit_prompt("r", ids, GREEDY)
+    (out,) = prefill.run_prefill([admitted])
+    assert told_p == [(hash_blocks(ids, BS), list(admitted.block_ids[: len(ids) // BS]))]
     # (the KV itself is not copied: this checks only who tells what)
     decode.add_prefilled("r", out.token_id, out.logprob)
     tokens = [out.token_id]
@@ -68,11 +68,11 @@ def test_loaded_blocks_become_a_prefix_hit(make_engine):
     claimed = engine.claim_blocks(3)
     engine.commit_loaded(claimed, hashes[:3])
     assert engine.prefix_hashes(ids)[0] == 3
-    plan = engine.plan_prefill("r", ids, GREEDY)
-    assert plan.num_cached_tokens == 3 * BS
-    assert plan.block_ids[:3] == claimed
+    admitted = engine.admit_prompt("r", ids, GREEDY)
+    assert admitted.num_cached_tokens == 3 * BS
+    assert admitted.block_ids[:3] == claimed
     engine.free_blocks(claimed)
-    engine.run_prefill([plan])
+    engine.run_prefill([admitted])
     engine.release("r")
     assert engine.blocks.num_free_blocks == 8
     assert engine.prefix_hashes(ids)[0] == 4  # the computed fourth block joined them

@@ -70,16 +70,16 @@ def test_disaggregated_resume_equals_uninterrupted(make_engine, engine, prompt) 
         k = 7
         rid = f"m-{params.seed}"
         res = decode.reserve(rid, prompt, params, resumed=full[:k])
-        plan = prefill.plan_prefill(rid, prompt, params, resumed=full[:k])
-        assert plan.num_tokens == len(prompt) + k
-        assert len(res.block_ids) == len(plan.block_ids)
+        admitted = prefill.admit_prompt(rid, prompt, params, resumed=full[:k])
+        assert admitted.num_tokens == len(prompt) + k
+        assert len(res.block_ids) == len(admitted.block_ids)
         skip = res.num_present_tokens // decode.config.block_size
-        src, dst = plan.block_ids[skip:], res.block_ids[skip:]
+        src, dst = admitted.block_ids[skip:], res.block_ids[skip:]
 
         def copy(layer: int, src=src, dst=dst) -> None:
             _copy_layer(prefill.kv, decode.kv, layer, src, dst)
 
-        (out,) = prefill.run_prefill([plan], copy)
+        (out,) = prefill.run_prefill([admitted], copy)
         prefill.release(rid)
         first = decode.add_prefilled(rid, out.token_id, out.logprob)
         assert first.num_output_tokens == k + 1
@@ -95,7 +95,7 @@ def test_resume_that_already_ended_is_refused(engine, prompt, default_tokenizer)
     with pytest.raises(InvalidRequestError, match=r"resume_token_ids\[1\] already ended"):
         engine.reserve("b", prompt, stops_at_eos, resumed=[42, eos])
     with pytest.raises(InvalidRequestError, match="token ids must be integers"):
-        engine.plan_prefill("c", prompt, GREEDY, resumed=[10**9])
+        engine.admit_prompt("c", prompt, GREEDY, resumed=[10**9])
     assert engine.num_held == 0 and not engine.has_unfinished()
 
 

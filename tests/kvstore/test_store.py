@@ -118,18 +118,18 @@ async def test_a_prefill_engine_loads_and_the_decode_engine_gets_the_same_tokens
     aengine.start()
     try:
         async with loaded_prefix(aengine, store_p, ids, timeout_s=10.0) as got:
-            plan = await aengine.plan_prefill("r1", ids, GREEDY)
+            admitted = await aengine.admit_prompt("r1", ids, GREEDY)
             res = decode.reserve("r1", ids, GREEDY)
 
             def copy(layer: int) -> None:
-                _copy_layer(prefill.kv, decode.kv, layer, plan.block_ids, res.block_ids)
+                _copy_layer(prefill.kv, decode.kv, layer, admitted.block_ids, res.block_ids)
 
-            out = await aengine.run_prefill(plan, copy)
+            out = await aengine.run_prefill(admitted, copy)
             await aengine.release("r1")
     finally:
         await aengine.stop()
     assert got.blocks == (len(ids) - 1) // BS
-    assert plan.num_cached_tokens == got.tokens
+    assert admitted.num_cached_tokens == got.tokens
     assert store_p.flush()
     assert store_p.stats.stored_blocks == 0  # what it loaded is not put back
     first = decode.add_prefilled("r1", out.token_id, out.logprob)

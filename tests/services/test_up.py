@@ -13,7 +13,7 @@ from engine.engine_config import EngineConfig
 from services.common import settings
 from services.decode.config import load_config as decode_config
 from services.prefill.config import load_config as prefill_config
-from services.up import UpConfig, load_up_config, pin_plan, prefill_flags, worker_placement
+from services.up import UpConfig, assign_cores, load_up_config, prefill_flags, worker_placement
 
 
 def test_pinning_is_the_default_with_the_first_core_for_the_control_plane() -> None:
@@ -28,16 +28,16 @@ def test_pinning_is_the_default_with_the_first_core_for_the_control_plane() -> N
     assert not load_up_config([], {"PDSERVE_UP_PIN": "false"}).pin
 
 
-def test_pin_plan_puts_decode_workers_first_and_away_from_the_control_plane() -> None:
+def test_assign_cores_puts_decode_workers_first_and_away_from_the_control_plane() -> None:
     # two cores, control plane on 0: the decode worker gets the free core
-    assert pin_plan(["prefill-0", "decode-0"], [0, 1], {0}) == {"decode-0": 1, "prefill-0": 0}
-    assert pin_plan(["colocated-0"], [0, 1], {0}) == {"colocated-0": 1}
+    assert assign_cores(["prefill-0", "decode-0"], [0, 1], {0}) == {"decode-0": 1, "prefill-0": 0}
+    assert assign_cores(["colocated-0"], [0, 1], {0}) == {"colocated-0": 1}
     # more workers than free cores: round-robin over free cores, then control cores
-    assert pin_plan(["prefill-0", "prefill-1", "decode-0", "decode-1"], [0, 1, 2, 3], {0}) == {
+    assert assign_cores(["prefill-0", "prefill-1", "decode-0", "decode-1"], [0, 1, 2, 3], {0}) == {
         "decode-0": 1, "decode-1": 2, "prefill-0": 3, "prefill-1": 0,
     }  # fmt: skip
     # no control plane pinned: decode workers still come first
-    assert pin_plan(["prefill-0", "decode-0"], [4, 5], None) == {"decode-0": 4, "prefill-0": 5}
+    assert assign_cores(["prefill-0", "decode-0"], [4, 5], None) == {"decode-0": 4, "prefill-0": 5}
 
 
 def test_pinned_workers_keep_the_core_for_the_engine_thread_and_share_free_control_cores() -> None:

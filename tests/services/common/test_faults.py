@@ -15,13 +15,13 @@ from transfer.faults import FaultSpec
 
 
 @pytest.fixture
-def plan() -> Iterator[None]:
+def rpc_faults() -> Iterator[None]:
     install_rpc_faults(FaultSpec(rpc_fail_every=2))
     yield
     install_rpc_faults(None)
 
 
-async def test_every_nth_internal_call_fails_unsent(plan) -> None:
+async def test_every_nth_internal_call_fails_unsent(rpc_faults) -> None:
     server = grpc.aio.server()
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
     port = server.add_insecure_port("127.0.0.1:0")
