@@ -22,9 +22,10 @@ from typing import Any
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("quantized", "float32")
 DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
-# What weights "auto" loads per role (docs/benchmarks.md, "Weight formats", has the
-# measurements): decode streams every weight per step, so the packed blocks (~6x fewer bytes)
-# win there; a prefill's large products run torch's GEMM on dense weights either way.
+# What weights "auto" loads per role (docs/benchmarks.md: "Engine", and "Prefill workers
+# keep float32 weights" among its design findings): decode streams every weight per step,
+# so the packed blocks (~6x fewer bytes) win there; a prefill's large products run torch's
+# GEMM on dense weights either way.
 AUTO_WEIGHTS = {"decode": "quantized", "colocated": "quantized", "prefill": "float32"}
 
 
@@ -229,6 +230,7 @@ class EngineConfig:
     def _auto_kv_dtype(self, dtype: str, on_cpu_float32: bool) -> str:
         if self.kv_cache_dtype != "auto":
             return self.kv_cache_dtype
-        # docs/benchmarks.md, "A float16 KV cache": llama.cpp's default too. The Triton
+        # docs/benchmarks.md, "A float16 KV cache" among its design findings; llama.cpp's
+        # default too. The Triton
         # kernels store KV in the engine's dtype.
         return "float16" if on_cpu_float32 and not self.triton_kernels else dtype

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import mmap
 import struct
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -29,7 +30,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from engine.errors import ModelLoadError, UnsupportedModelError
 
 GGUF_MAGIC = b"GGUF"
-_T = TypeVar("_T")
 _DEFAULT_ALIGNMENT = 32
 # GGUF value type -> struct format (without byte order); 8 is string, 9 is array
 _SCALARS: dict[int, str] = {
@@ -82,65 +82,50 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     """Every key/value of a GGUF file's header, without touching tensor data."""
     p = Path(path)
     with _mapped(p) as mapping:
-        return _guarded(p, len(mapping), lambda: _Cursor(mapping, p).metadata())
+        return _Cursor(mapping, p).metadata()
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
     """The header and every tensor, whose ``data`` views the file (kept mapped while any view
     is alive)."""
     p = Path(path)
-
     with _mapped(p) as mapping:
-
-        def read() -> GGUFFile:
-            cursor = _Cursor(mapping, p)
-            metadata = cursor.metadata()
-            tensors = cursor.tensors(np.frombuffer(mapping, dtype=np.uint8), metadata)
-            return GGUFFile(metadata, tensors)
-
-        return _guarded(p, len(mapping), read)
+        cursor = _Cursor(mapping, p)
+        metadata = cursor.metadata()
+        tensors = cursor.tensors(np.frombuffer(mapping, dtype=np.uint8), metadata)
+        return GGUFFile(metadata, tensors)
 
 
-class _mapped:
-    """A read-only mmap of ``path``, with the errors of opening it as ``ModelLoadError``."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.mapping: mmap.mmap | None = None
-
-    def __enter__(self) -> mmap.mmap:
-        try:
-            with self.path.open("rb") as f:
-                magic = f.read(4)
-                if magic != GGUF_MAGIC:
-                    raise ModelLoadError(
-                        f"{self.path}: not a GGUF file (starts with {magic!r}, not {GGUF_MAGIC!r})"
-                    )
-                self.mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except FileNotFoundError as e:
-            raise ModelLoadError(f"{self.path}: no such file or directory") from e
-        except OSError as e:
-            raise ModelLoadError(f"{self.path}: cannot read: {e}") from e
-        return self.mapping
-
-    def __exit__(self, *exc: object) -> None:
-        if self.mapping is not None:
-            try:
-                self.mapping.close()
-            except BufferError:
-                pass  # tensor views still use it: it closes when the last one goes
-
-
-def _guarded(path: Path, size: int, read: Callable[[], _T]) -> _T:
-    """``read()``, a malformed file's errors made one ``ModelLoadError``."""
+@contextmanager
+def _mapped(path: Path) -> Iterator[mmap.mmap]:
+    """A read-only mmap of a GGUF file for the body to parse. Failing to open it, and the
+    body's errors on malformed content, are ``ModelLoadError``s that name the file."""
     try:
-        return read()
+        with path.open("rb") as f:
+            magic = f.read(4)
+            if magic != GGUF_MAGIC:
+                raise ModelLoadError(
+                    f"{path}: not a GGUF file (starts with {magic!r}, not {GGUF_MAGIC!r})"
+                )
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except FileNotFoundError as e:
+        raise ModelLoadError(f"{path}: no such file or directory") from e
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read: {e}") from e
+    size = len(mapping)
+    try:
+        yield mapping
     except (ModelLoadError, UnsupportedModelError):
         raise
     except (ValueError, IndexError, struct.error, UnicodeDecodeError, OverflowError) as e:
         raise ModelLoadError(
             f"{path}: GGUF file is truncated or corrupt ({size} bytes): {e}"
         ) from e
+    finally:
+        try:
+            mapping.close()
+        except BufferError:
+            pass  # tensor views still use it: it closes when the last one goes
 
 
 class _Cursor:
