@@ -514,8 +514,10 @@ async def test_a_drained_decode_worker_streams_migrate_at_its_drain_deadline(
     st, endpoints = stack
     before = _gateway_metric(endpoints, "pdserve:migrations_total", 'cause="decode_lost"')
     streams = await _poems_streaming(endpoints)
-    # The decode worker running the most of them (placement may put them all on one),
-    # read until one reports some: a worker with none would drain without a migration.
+    # The decode worker running the most of them (placement may put them all on one), read
+    # once the gauges count exactly these streams: a gauge still showing an earlier test's
+    # streams (published every 0.1 s) could pick a worker with none, which would drain
+    # without a migration.
     alive = [
         p for p in st.procs if p.name.startswith("decode-") and p.popen and p.popen.poll() is None
     ]
@@ -523,7 +525,7 @@ async def test_a_drained_decode_worker_streams_migrate_at_its_drain_deadline(
     while True:
         running = {p.name: _running(endpoints, p.name) for p in alive}
         victim = max(alive, key=lambda p: running[p.name])
-        if running[victim.name] > 0:
+        if sum(running.values()) == len(streams):
             break
         assert time.monotonic() < deadline, running
         await asyncio.sleep(0.05)
