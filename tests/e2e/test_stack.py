@@ -302,7 +302,7 @@ async def test_bad_input_is_a_clear_4xx_and_the_stack_survives(stack) -> None:
     assert text
 
 
-LONG = 40  # tokens per stream in the kill tests: long enough to kill one mid-stream
+LONG = 96  # tokens per stream in the kill and drain tests: a stream outlasts a 0.5 s drain
 POEMS = [f"Write a long poem about the number {i}." for i in range(4)]
 
 
