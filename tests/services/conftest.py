@@ -5,5 +5,6 @@ from tests.engine.conftest import (  # noqa: F401
     default_checkpoint,
     default_engine,
     default_tokenizer,
+    quantized_checkpoint,
 )
 from tests.served_engine import served_make_engine  # noqa: F401

@@ -5,13 +5,17 @@ when the client goes."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 import pytest
 
 from engine.async_engine import AsyncEngine
+from engine.checkpoint import Checkpoint
+from engine.engine_config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
 from services.gateway.admission import Admission, AdmissionLimits
 from services.gateway.backend import GenerateChunk, GenerateInput
 from services.gateway.choices import StreamEndedEarly, choice_inputs, merged
@@ -105,15 +109,21 @@ async def test_a_request_of_n_holds_n_slots_and_counts_one_rate_token() -> None:
 
 
 async def test_choices_1_to_n_reuse_choice_0s_prompt_blocks(
-    make_engine: Callable[..., object],
+    quantized_checkpoint: Checkpoint, default_tokenizer: Tokenizer
 ) -> None:
     """With the prefix cache on, choices 1..n find every full block of the prompt computed
-    by choice 0, and each choice's tokens equal its seeded single request's."""
-    engine = make_engine(max_model_len=512, num_kv_blocks=128, prefix_caching=True)
-    backend = EngineBackend(AsyncEngine(engine))  # type: ignore[arg-type]
+    by choice 0, and each choice's tokens equal its seeded single request's. (Batch-invariant
+    mode: a choice's logits do not depend on what shares its steps, so no near-tie can
+    flip a token between the batch of four and the request alone.)"""
+    cfg = EngineConfig(
+        weights="quantized", max_model_len=512, num_kv_blocks=128, prefix_caching=True,
+        batch_invariant=True,
+    )  # fmt: skip
+    engine = LLMEngine(cfg, checkpoint=quantized_checkpoint, tokenizer=default_tokenizer)
+    backend = EngineBackend(AsyncEngine(engine))
     backend.start()
     try:
-        block = engine.config.block_size  # type: ignore[attr-defined]
+        block = engine.config.block_size
         prompt = tuple(range(1000, 1000 + 5 * block + 3))  # 5 full blocks and a partial one
         params = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
         inp = GenerateInput("n4", prompt, params, "m")
