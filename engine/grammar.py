@@ -21,7 +21,6 @@ Lifecycle (the engine drives it):
 
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
@@ -140,11 +139,6 @@ class Grammars:
         return m
 
 
-@functools.cache
-def _executor() -> llguidance.LLExecutor:
-    return llguidance.LLExecutor()
-
-
 def mask(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
     """``logits`` (``[B, V]``, one row per sequence of ``seqs``) with each constrained row's
     disallowed tokens at -inf; ``logits`` itself when no row is constrained (it is never
@@ -167,19 +161,18 @@ def mask(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
 
 def fill_bitmask(matchers: Seq[llguidance.LLMatcher], bitmask: torch.Tensor) -> None:
     """Write each matcher's next-token mask into its row of ``bitmask`` (``[B, ceil(V / 32)]``
-    int32, contiguous, on the CPU), several rows in parallel on llguidance's threads.
+    int32, contiguous, on the CPU), one row after another on the calling thread.
 
-    The calls ``llguidance.torch`` wraps, made here: importing that module runs a
-    ``torch.compile`` decorator, which imports torch's compiler and triton into every
-    process that serves a structured request (seconds at start, and triton where nothing
-    else loads it)."""
+    A row costs 0.01-0.03 ms (docs/benchmarks.md, "Structured outputs"), so llguidance's
+    parallel executor buys nothing here; its pool threads, on the cores the worker is
+    pinned to, would compete with the engine thread that waits for them. The call
+    ``llguidance.torch`` wraps, made here: importing that module runs a ``torch.compile``
+    decorator, which imports torch's compiler and triton into every process that serves a
+    structured request (seconds at start, and triton where nothing else loads it)."""
     assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and bitmask.device.type == "cpu"
-    rows, words = bitmask.shape
-    if len(matchers) == 1:
-        matchers[0].unsafe_compute_mask_ptr(bitmask.data_ptr(), words * 4)
-        return
-    pairs = [(m, r) for r, m in enumerate(matchers)]
-    _executor().unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, rows)
+    row_bytes = bitmask.shape[1] * 4
+    for r, matcher in enumerate(matchers):
+        matcher.unsafe_compute_mask_ptr(bitmask.data_ptr() + r * row_bytes, row_bytes)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

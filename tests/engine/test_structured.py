@@ -71,6 +71,24 @@ def test_the_mask_keeps_only_what_the_grammar_allows(grammars, default_tokenizer
     assert _allowed(grammar.mask(logits, seqs)[1]) == set(tok.eos_token_ids)
 
 
+def test_each_constrained_row_gets_its_own_grammars_mask(grammars, default_tokenizer) -> None:
+    """Several constrained rows, unconstrained ones between them: each row's mask is its own
+    matcher's (the fill writes row after row of one bitmask)."""
+    tok = default_tokenizer
+    seqs = [Sequence(k, [1], SamplingParams(), 0.0) for k in "abcd"]
+    seqs[0].grammar = grammars.matcher(_so(K.CHOICE, ["yes", "no"]))
+    seqs[2].grammar = grammars.matcher(_so(K.CHOICE, ["red", "blue"]))
+    seqs[3].grammar = grammars.matcher(_so(K.CHOICE, ["yes", "no"]))
+    logits = torch.randn(4, VOCAB)
+    out = grammar.mask(logits, seqs)
+    yes_no = {b"y", b"ye", b"yes", b"n", b"no"}
+    assert {tok.token_bytes(t) for t in _allowed(out[0])} == yes_no
+    assert torch.equal(out[1], logits[1])
+    colours = {tok.token_bytes(t) for t in _allowed(out[2])}
+    assert b"red" in colours and b"blue" in colours and not colours & yes_no
+    assert {tok.token_bytes(t) for t in _allowed(out[3])} == yes_no
+
+
 def test_a_bad_spec_or_resume_is_refused_by_name(grammars, default_tokenizer) -> None:
     for so, needle in [
         (_so(K.REGEX, "[a-"), "regex"),
