@@ -231,6 +231,5 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto":
             return self.kv_cache_dtype
         # docs/benchmarks.md, "A float16 KV cache" among its design findings; llama.cpp's
-        # default too. The Triton
-        # kernels store KV in the engine's dtype.
+        # default too. The Triton kernels store KV in the engine's dtype.
         return "float16" if on_cpu_float32 and not self.triton_kernels else dtype

@@ -157,10 +157,15 @@ async def _stream(
     return [("".join(t), lps, top) for t, lps, top in zip(text, logprobs, tops, strict=True)]
 
 
+async def _connect(base_url: str) -> tuple[openai.AsyncOpenAI, str]:
+    """A client of the gateway at ``base_url`` and the model it serves."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    return client, (await client.models.list()).data[0].id
+
+
 async def _all(base_url: str, sampling: dict[str, float]) -> list[list[Choice]]:
     """Every stream at once, undisturbed."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
-    model = (await client.models.list()).data[0].id
+    client, model = await _connect(base_url)
     seen = [0] * STREAMS
     runs = (_stream(client, model, i, seen, sampling) for i in range(STREAMS))
     return await asyncio.wait_for(asyncio.gather(*runs), 180)
@@ -191,9 +196,8 @@ async def _workers(endpoints: dict[str, str], count: int) -> None:
 
 async def test_a_killed_decode_workers_seeded_streams_continue_bit_for_bit(stack) -> None:
     st, endpoints = stack
-    client = openai.AsyncOpenAI(base_url=endpoints["http"], api_key="unused", max_retries=0)
-    model = (await client.models.list()).data[0].id
     undisturbed = await _all(endpoints["http"], SEEDED)
+    client, model = await _connect(endpoints["http"])
     # Every stream runs long enough for the kill to land mid-stream (a constrained one may
     # end early: its grammar complete).
     assert all(len(lps) >= 16 for choices in undisturbed for _, lps, _ in choices)
