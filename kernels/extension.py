@@ -89,8 +89,11 @@ class Extension:
 
 
 def source_digest(source: Path) -> str:
-    """The source's digest with every shared header of ``csrc`` (a header change rebuilds)."""
-    h = hashlib.sha256(source.read_bytes())
+    """The source's digest with every shared header of ``csrc`` (a header change rebuilds)
+    and the directory it is built from: torch's build depends on the include path, so two
+    checkouts on one machine sharing a name would rebuild each other's module each time."""
+    h = hashlib.sha256(str(CSRC).encode())
+    h.update(source.read_bytes())
     for header in sorted(CSRC.glob("*.h")):
         h.update(header.read_bytes())
     return h.hexdigest()[:12]
