@@ -223,6 +223,17 @@ class BlockManager:
             self._free[block_id] = None
             self._free.move_to_end(block_id, last=False)
 
+    def hold(self, block_ids: Sequence[int]) -> None:
+        """Add one reference to each owned block in ``block_ids``: its bytes stay as they are
+        until the matching ``free`` (a reader off the engine thread copies them meanwhile).
+        Raises ``BlockStateError`` with nothing changed if any block is free or unknown."""
+        for block_id in block_ids:
+            self._check_block(block_id)
+            if self._ref_counts[block_id] == 0:
+                raise BlockStateError(f"block {block_id} is free; only an owned block is held")
+        for block_id in block_ids:
+            self._ref_counts[block_id] += 1
+
     def ref_count(self, block_id: int) -> int:
         """Number of live references to ``block_id`` (0 when free)."""
         self._check_block(block_id)

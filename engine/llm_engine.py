@@ -161,11 +161,12 @@ class LLMEngine:
         # reservations awaiting their KV. Their blocks are allocated.
         self._held: dict[str, Sequence] = {}
         # ``kv_export(hashes, block_ids)``: told, on the engine thread, of full blocks whose
-        # KV this engine computed, while their bytes are still there (a KV store copies
-        # them out: ``kvstore``). Called after a prefill-only pass (the prompt's blocks) and
-        # when a request finishes (the blocks not yet told: its output's, in a decode
-        # worker). It must be quick and must not raise.
-        self.kv_export: Callable[[Seq[int], Seq[int]], None] | None = None
+        # KV this engine computed (a KV store copies them out: ``kvstore``). Called after a
+        # prefill-only pass (the prompt's blocks) and when a request finishes (the blocks
+        # not yet told: its output's, in a decode worker). It returns the ids it will read
+        # later: each is held (``BlockManager.hold``) until it calls ``free_blocks`` for
+        # it. It must be quick (it copies nothing) and must not raise.
+        self.kv_export: Callable[[Seq[int], Seq[int]], Seq[int] | None] | None = None
 
     def _load_model(self, checkpoint: Checkpoint | None) -> Checkpoint:
         """Load the checkpoint (unless given) and build the model on this engine's device;
@@ -433,7 +434,9 @@ class LLMEngine:
         if self.kv_export is None or len(seq.block_hashes) <= done:
             return
         n = len(seq.block_hashes)
-        self.kv_export(seq.block_hashes[done:n], seq.block_table[done:n])
+        held = self.kv_export(seq.block_hashes[done:n], seq.block_table[done:n])
+        if held:
+            self.blocks.hold(held)
         seq.num_exported_blocks = n
 
     # -- loading a prefix computed elsewhere (a KV store) ------------------------------

@@ -12,7 +12,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 _PR_SET_NAME = 15
 _NAME_MAX = 15  # bytes, without the NUL
@@ -40,6 +44,30 @@ def pin_current_thread(cpus: Iterable[int]) -> None:
     """Run the calling thread (and threads it starts later) only on ``cpus``, which may lie
     outside its current cores; ``OSError`` when the system refuses them."""
     os.sched_setaffinity(0, cpus)  # pid 0: the calling thread on Linux
+
+
+def pinned_call(cpus: Iterable[int] | None, fn: Callable[[], T]) -> T:
+    """``fn()`` on a new thread that runs only on ``cpus`` (None: ``fn()`` here), so every
+    thread ``fn`` starts (a native library's included) inherits those cores."""
+    if cpus is None:
+        return fn()
+    wanted = core_set(cpus)
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            pin_current_thread(wanted)
+            result.append(fn())
+        except BaseException as e:
+            error.append(e)
+
+    thread = threading.Thread(target=run, name="pinned-call", daemon=True)
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
 
 
 def name_current_thread(name: str) -> bool:

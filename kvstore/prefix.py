@@ -73,6 +73,23 @@ async def loaded_prefix(
             aengine.submit(lambda: eng.free_blocks(held))
 
 
+async def uncached_tokens(
+    aengine: AsyncEngine, store: KVStore | None, token_ids: Sequence[int], *, timeout_s: float
+) -> int:
+    """How many of ``token_ids`` a prefill here would compute: those neither in the
+    engine's prefix cache nor in the leading run the store holds now (a lookup on a loader
+    thread; a failed or late one finds nothing). The last token always counts."""
+    eng = aengine.engine
+    ids = list(token_ids)
+    cached, hashes = await aengine.call(lambda: eng.prefix_hashes(ids))
+    reused = cached
+    if store is not None and cached < len(hashes):
+        deadline = time.monotonic() + timeout_s
+        present = await _on_loader(store, deadline, store.present_run, hashes[cached:])
+        reused += present or 0
+    return len(ids) - reused * eng.kv_spec.block_size
+
+
 async def _load(
     aengine: AsyncEngine,
     store: KVStore,

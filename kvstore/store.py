@@ -1,18 +1,25 @@
 """One engine process's side of the KV store: full blocks out (off the token path), prefix
 blocks in (checked before use).
 
-Write path (``offer``, engine thread -> writer thread -> store):
+Write path (``offer``, engine thread -> copier thread -> putter thread -> store):
   offered  --a free slot of the write buffer, or the block is dropped and counted-->
-  copied   --(engine thread: one memcpy per block, while the bytes are surely there)-->
-  queued   --writer thread: skip what the store already has, put the rest-->  stored
-The engine never waits for the store: when the buffer is full (the store is slow or
+  queued   --(engine thread: no bytes move; the caller holds the block so they stay put)-->
+  copied   --copier thread: pool block -> write buffer slot, then ``release_blocks``-->
+  stored   --putter thread: skip what the store already has, put the rest
+The engine never waits for the store and never copies for it: what ``offer`` costs the
+engine thread is a lookup, a slot and a queue entry per block. Holds last only as long as a
+memcpy (the copier never waits on the store); when the buffer is full (the store is slow or
 down), blocks are dropped, never queued without bound.
 
 Read path (``present_run`` then ``load``, a loader thread): how many leading blocks of a
 chain the store holds, then read them into the load buffer, check each object's size and
 header (``kvstore.block_format``), and copy the good ones into the pool's blocks the
 caller claimed. The first block missing or wrong ends the run: a prefix is only usable up
-to its first hole.
+to its first hole; the hash of that hole is remembered as ``missing`` (the worker tells the
+scheduler, whose index of the store then forgets it).
+
+Threads: every thread here (copier, putter, loaders) runs on ``cpus`` when given: a decode
+worker keeps its store off its engine's core (``services.common.kv_store``).
 
 ``known`` remembers hashes this process stored or loaded recently (``KNOWN_FOR_S``), so a
 turn that finishes with blocks the store already holds copies nothing.
@@ -24,7 +31,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +39,9 @@ from typing import Any
 import structlog
 import torch
 
+from engine.async_engine import AsyncEngine
 from engine.kv_cache import KVCache
+from engine.threads import name_current_thread, pin_current_thread
 from kvstore.backend import StoreBackend
 from kvstore.block_format import HEADER_BYTES, BlockFormat, BlockMismatch
 
@@ -54,16 +63,19 @@ class StoreStats:
 
     offered_blocks: int = 0  # engine
     dropped_blocks: int = 0  # engine: the write buffer was full
-    stored_blocks: int = 0  # writer
-    stored_bytes: int = 0  # writer
-    already_stored_blocks: int = 0  # writer: the store had them (another worker's)
-    failed_puts: int = 0  # writer: the store refused or failed
+    offer_seconds_total: float = 0.0  # engine: time spent in offer
+    copied_blocks: int = 0  # copier
+    stored_blocks: int = 0  # putter
+    stored_bytes: int = 0  # putter
+    already_stored_blocks: int = 0  # putter: the store had them (another worker's)
+    failed_puts: int = 0  # putter: the store refused or failed
     lookups: int = 0  # loader
     hit_blocks: int = 0  # loader: blocks loaded and checked
     loaded_bytes: int = 0  # loader
     load_seconds_total: float = 0.0  # loader
     loads: int = 0  # loader
     missing_blocks: int = 0  # loader: said present, then not readable
+    absent_blocks: int = 0  # loader: a lookup's run ended before the chain did
     refused_blocks: int = 0  # loader: wrong size or header (never used)
 
 
@@ -77,13 +89,20 @@ class KVStore:
         *,
         write_buffer_bytes: int = 128 << 20,
         load_buffer_bytes: int = 32 << 20,
+        release_blocks: Callable[[Sequence[int]], None] | None = None,
+        cpus: frozenset[int] | None = None,
         start: bool = True,
     ) -> None:
-        """``start=False``: the writer thread waits for ``start()`` (blocks offered
-        meanwhile fill the write buffer, then are dropped)."""
+        """``release_blocks(ids)``: called from the copier once it copied blocks ``offer``
+        queued (the caller's hold on them may end; None: nothing to release). ``cpus``:
+        the cores this store's threads run on (None: wherever the process may run).
+        ``start=False``: the threads wait for ``start()`` (blocks offered meanwhile fill the
+        write buffer, then are dropped)."""
         self.backend = backend
         self.fmt = fmt
         self.stats = StoreStats()
+        self.cpus = cpus
+        self.release_blocks = release_blocks
         obj = fmt.object_bytes
         self._write_slots = max(1, write_buffer_bytes // obj)
         self._load_slots = max(1, load_buffer_bytes // obj)
@@ -93,30 +112,58 @@ class KVStore:
         backend.register(self._load_buf.data_ptr(), self._load_buf.numel())
         self._free = list(range(self._write_slots))
         self._free_lock = threading.Lock()
+        self._offered: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._known: OrderedDict[int, float] = OrderedDict()
         self._known_lock = threading.Lock()
-        # Hashes confirmed in the store since the last drain_confirmed (the worker's
-        # heartbeat tells the scheduler); bounded: the oldest go first.
+        # Hashes confirmed in the store, and hashes a lookup found missing, since the last
+        # drain (the worker's heartbeat tells the scheduler); bounded: the oldest go first.
         self._confirmed: deque[int] = deque(maxlen=_KNOWN_MAX)
+        self._missing: deque[int] = deque(maxlen=_KNOWN_MAX)
         self._load_lock = threading.Lock()
-        self.loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-store-load")
-        self._writer = threading.Thread(target=self._write_loop, name="kv-store-put", daemon=True)
+        self.loader = ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="kv-store-load", initializer=self._pin
+        )
+        self._copier = threading.Thread(
+            target=self._pinned, args=(self._copy_loop,), name="kv-store-copy", daemon=True
+        )
+        self._writer = threading.Thread(
+            target=self._pinned, args=(self._write_loop,), name="kv-store-put", daemon=True
+        )
         if start:
             self.start()
 
     def start(self) -> None:
+        self._copier.start()
         self._writer.start()
 
+    def _pin(self) -> None:
+        if self.cpus is None:
+            return
+        try:
+            pin_current_thread(self.cpus)
+        except OSError as e:  # the thread runs where the process may: slower, not wrong
+            log.warning("kv_store_cpus_refused", cpus=sorted(self.cpus), error=str(e))
+
+    def _pinned(self, loop: Callable[[], None]) -> None:
+        self._pin()
+        name_current_thread(threading.current_thread().name)
+        loop()
+
     # -- write path ------------------------------------------------------------------
-    def offer(self, kv: KVCache, block_hashes: Sequence[int], block_ids: Sequence[int]) -> None:
-        """Engine thread: copy the blocks the store may lack into the write buffer and queue
-        them; never blocks on the store. Once the buffer is full, this and the rest of the
-        chain are dropped (a later block is useless to a prefix load without this one)."""
-        now = time.monotonic()
+    def offer(
+        self, kv: KVCache, block_hashes: Sequence[int], block_ids: Sequence[int]
+    ) -> list[int]:
+        """Engine thread: queue the blocks the store may lack; never blocks on the store and
+        copies nothing. Returns the ids queued: the caller keeps each one's bytes unchanged
+        (holds it) until ``release_blocks`` names it. Once the buffer is full, this and the
+        rest of the chain are dropped (a later block is useless to a prefix load without
+        this one)."""
+        t0 = time.perf_counter()
+        queued: list[int] = []
         for i, (block_hash, block_id) in enumerate(zip(block_hashes, block_ids, strict=True)):
             self.stats.offered_blocks += 1
-            if self._is_known(block_hash, now):
+            if self._is_known(block_hash, t0):
                 continue
             with self._free_lock:
                 slot = self._free.pop() if self._free else None
@@ -124,9 +171,37 @@ class KVStore:
                 dropped = len(block_ids) - i
                 self.stats.dropped_blocks += dropped
                 self.stats.offered_blocks += dropped - 1
+                break
+            self._offered.put((kv, block_hash, block_id, slot))
+            queued.append(block_id)
+        self.stats.offer_seconds_total += time.perf_counter() - t0
+        return queued
+
+    def _copy_loop(self) -> None:
+        """Copy what ``offer`` queued into its slots, release the blocks, pass the slots on
+        to the putter. Never waits on the store, so a hold lasts a memcpy."""
+        while True:
+            items = [self._offered.get()]
+            while True:
+                try:
+                    items.append(self._offered.get_nowait())
+                except queue.Empty:
+                    break
+            stop = any(item is _STOP for item in items)
+            work = [item for item in items if item is not _STOP]
+            for kv, block_hash, block_id, slot in work:
+                self._fill(slot, kv, block_hash, block_id)
+            self.stats.copied_blocks += len(work)
+            if work and self.release_blocks is not None:
+                try:
+                    self.release_blocks([block_id for _, _, block_id, _ in work])
+                except Exception:
+                    log.warning("kv_store_release_failed", exc_info=True)
+            for _, block_hash, _, slot in work:
+                self._queue.put((block_hash, slot))
+            if stop:
+                self._queue.put(_STOP)
                 return
-            self._fill(slot, kv, block_hash, block_id)
-            self._queue.put((block_hash, slot))
 
     def _fill(self, slot: int, kv: KVCache, block_hash: int, block_id: int) -> None:
         obj = self._object(self._write_buf, slot)
@@ -216,6 +291,9 @@ class KVStore:
             if not there:
                 break
             n += 1
+        if n < len(block_hashes):
+            self.stats.absent_blocks += 1
+            self._note_missing(block_hashes[n:])
         return n
 
     def load(self, kv: KVCache, block_hashes: Sequence[int], block_ids: Sequence[int]) -> int:
@@ -243,6 +321,7 @@ class KVStore:
                 self._remember(hashes[:good])
                 done += good
                 if good < len(hashes):
+                    self._note_missing(block_hashes[done:])
                     break
         seconds = time.monotonic() - t0
         self.stats.loads += 1
@@ -286,13 +365,21 @@ class KVStore:
 
     def drain_confirmed(self) -> list[int]:
         """The hashes confirmed in the store (put, found, loaded) since the last call."""
-        out = []
-        while self._confirmed:
-            try:
-                out.append(self._confirmed.popleft())
-            except IndexError:
-                break
-        return out
+        return _drain(self._confirmed)
+
+    def drain_missing(self) -> list[int]:
+        """The hashes a lookup or load found missing from the store since the last call
+        (each the first hole of a chain asked for)."""
+        return _drain(self._missing)
+
+    def _note_missing(self, chain: Sequence[int]) -> None:
+        """The store lacks ``chain[0]`` (evicted, or never put), so the rest of the chain is
+        no use in it either: report the hole, and offer the whole rest again when it is
+        computed again."""
+        self._missing.append(chain[0])
+        with self._known_lock:
+            for block_hash in chain:
+                self._known.pop(block_hash, None)
 
     def _remember(self, block_hashes: Any) -> None:
         now = time.monotonic()
@@ -305,9 +392,42 @@ class KVStore:
                 self._known.popitem(last=False)
 
     def close(self) -> None:
-        """Stop the writer (queued blocks are put first) and the loaders, then the backend."""
-        self._queue.put(_STOP)
-        if self._writer.is_alive():
-            self._writer.join(timeout=10.0)
+        """Stop the copier and putter (queued blocks are put first) and the loaders, then
+        the backend."""
+        self._offered.put(_STOP)
+        for thread in (self._copier, self._writer):
+            if thread.is_alive():
+                thread.join(timeout=10.0)
         self.loader.shutdown(wait=True, cancel_futures=True)
         self.backend.close()
+
+
+async def export_to(aengine: AsyncEngine, store: KVStore | None) -> None:
+    """From now on the full blocks ``aengine``'s engine computes go to ``store`` (None: to
+    nowhere). The engine thread queues and holds them (``LLMEngine.kv_export``); the copier
+    drops each hold through the engine's command queue once it copied the block."""
+    eng = aengine.engine
+    if store is None:
+        await aengine.call(lambda: setattr(eng, "kv_export", None))
+        return
+
+    def export(block_hashes: Sequence[int], block_ids: Sequence[int]) -> list[int]:
+        return store.offer(eng.kv, block_hashes, block_ids)
+
+    def release(block_ids: Sequence[int]) -> None:
+        held = list(block_ids)
+        aengine.submit(lambda: eng.free_blocks(held))
+
+    store.release_blocks = release
+    await aengine.call(lambda: setattr(eng, "kv_export", export))
+
+
+def _drain(items: deque[int]) -> list[int]:
+    """Pop every item of ``items`` (another thread may append meanwhile)."""
+    out = []
+    while items:
+        try:
+            out.append(items.popleft())
+        except IndexError:
+            break
+    return out

@@ -197,20 +197,28 @@ def worker_placement(
     docs/benchmarks.md, "Serving hop"). A control core that runs another worker's engine is
     no spare room: a prefill computing there would hold the tokens back longer (measured
     too, "Interference"), so without a free control core the whole process stays on its
-    core. A worker outside ``assigned``: not pinned.
+    core. A decode (or colocated) worker's KV store threads run on the control cores other
+    than its own (``--kv-store-cpus``), even where a prefill computes: the store's copies and
+    transfers, other workers' reads and writes of its segment included, are work the decode
+    core must not do, and a prefill is not hurt by sharing its core with them. A worker
+    outside ``assigned``: not pinned.
 
     >>> worker_placement("decode-0", {"decode-0": 1}, {0})
-    ({0, 1}, ['--engine-cpus', '1'])
+    ({0, 1}, ['--engine-cpus', '1', '--kv-store-cpus', '0'])
     >>> worker_placement("decode-0", {"decode-0": 1, "prefill-0": 0}, {0})
-    ({1}, [])
+    ({1}, ['--kv-store-cpus', '0'])
     """
     if name not in assigned:
         return None, []
     core = assigned[name]
+    store = sorted(set(control or ()) - {core})
+    flags = []
+    if store and not name.startswith("prefill-"):
+        flags = ["--kv-store-cpus", ",".join(map(str, store))]
     spare = set(control or ()) - set(assigned.values())
     if not spare:
-        return {core}, []
-    return {core} | spare, ["--engine-cpus", str(core)]
+        return {core}, flags
+    return {core} | spare, ["--engine-cpus", str(core), *flags]
 
 
 def launch(cfg: UpConfig, stack: Stack) -> dict[str, str]:

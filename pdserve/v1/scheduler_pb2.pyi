@@ -38,18 +38,20 @@ class PlaceRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., attempt: _Optional[int] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prompt_block_hashes: _Optional[_Iterable[int]] = ..., hash_block_size: _Optional[int] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("request_id", "prefill", "decode", "expected_cached_tokens", "placement_token")
+    __slots__ = ("request_id", "prefill", "decode", "expected_cached_tokens", "placement_token", "local_prefill_max_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefill: _common_pb2.WorkerInfo
     decode: _common_pb2.WorkerInfo
     expected_cached_tokens: int
     placement_token: str
-    def __init__(self, request_id: _Optional[str] = ..., prefill: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., decode: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., expected_cached_tokens: _Optional[int] = ..., placement_token: _Optional[str] = ...) -> None: ...
+    local_prefill_max_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prefill: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., decode: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., expected_cached_tokens: _Optional[int] = ..., placement_token: _Optional[str] = ..., local_prefill_max_tokens: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker",)
@@ -82,7 +84,7 @@ class LoadSnapshot(_message.Message):
     def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "state", "sequence", "load", "cached_block_hashes_added", "cached_block_hashes_removed", "cache_snapshot", "stored_block_hashes")
+    __slots__ = ("worker_id", "state", "sequence", "load", "cached_block_hashes_added", "cached_block_hashes_removed", "cache_snapshot", "stored_block_hashes", "store_missing_block_hashes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +93,7 @@ class HeartbeatRequest(_message.Message):
     CACHED_BLOCK_HASHES_REMOVED_FIELD_NUMBER: _ClassVar[int]
     CACHE_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     STORED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    STORE_MISSING_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     state: WorkerState
     sequence: int
@@ -99,7 +102,8 @@ class HeartbeatRequest(_message.Message):
     cached_block_hashes_removed: _containers.RepeatedScalarFieldContainer[int]
     cache_snapshot: bool
     stored_block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., sequence: _Optional[int] = ..., load: _Optional[_Union[LoadSnapshot, _Mapping]] = ..., cached_block_hashes_added: _Optional[_Iterable[int]] = ..., cached_block_hashes_removed: _Optional[_Iterable[int]] = ..., cache_snapshot: _Optional[bool] = ..., stored_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    store_missing_block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., sequence: _Optional[int] = ..., load: _Optional[_Union[LoadSnapshot, _Mapping]] = ..., cached_block_hashes_added: _Optional[_Iterable[int]] = ..., cached_block_hashes_removed: _Optional[_Iterable[int]] = ..., cache_snapshot: _Optional[bool] = ..., stored_block_hashes: _Optional[_Iterable[int]] = ..., store_missing_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("resync_cache", "heartbeat_interval_ms", "placement_verify_key")

@@ -207,6 +207,7 @@ def generate_request_from_proto(p: worker_pb2.DecodeGenerateRequest) -> Generate
         resume_token_ids=tuple(p.resume_token_ids),
         prefill=prefill,
         attempt=p.attempt,
+        local_prefill_max_tokens=p.local_prefill_max_tokens,
     )
 
 

@@ -3,8 +3,13 @@
 ``StoreLink.run`` connects (mounts this process's segment) off the event loop and retries
 until it succeeds: a worker serves from the start, without the store until it is there
 (Mooncake's setup against an absent master takes a minute to give up). Once connected, the
-engine's computed full blocks go to the store (``LLMEngine.kv_export``) and ``store`` is
-what the servicers hand to ``kvstore.prefix.loaded_prefix``.
+engine's computed full blocks go to the store (``LLMEngine.kv_export``: the engine thread
+only queues and holds them; the store's copier releases them) and ``store`` is what the
+servicers hand to ``kvstore.prefix.loaded_prefix``.
+
+With ``--kv-store-cpus`` every thread of the store runs on those cores: its own, and the
+store client's (Mooncake's transfer threads, which also serve other workers' reads and
+writes of this process's segment): they are made by a thread pinned there, and inherit it.
 
 A store on an engine whose pool lives on a GPU would copy blocks across the bus on the
 engine thread; untested here (no GPU), so such an engine runs without the store.
@@ -22,9 +27,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.async_engine import AsyncEngine
+from engine.threads import pinned_call
 from kvstore.backend import MooncakeBackend, MooncakeOptions, StoreUnavailable
 from kvstore.block_format import BlockFormat
-from kvstore.store import KVStore
+from kvstore.store import KVStore, export_to
 from services.common.worker_args import KVStoreArgs
 
 log = structlog.get_logger(__name__)
@@ -56,6 +62,11 @@ class StoreLink:
         """Blocks confirmed in the store since the last call (for the heartbeat)."""
         return self.store.drain_confirmed() if self.store is not None else []
 
+    def missing(self) -> list[int]:
+        """Blocks a lookup found missing from the store since the last call (for the
+        heartbeat: the scheduler's index forgets them)."""
+        return self.store.drain_missing() if self.store is not None else []
+
     def loading(self) -> dict[str, Any]:
         """``loaded_prefix``'s keyword arguments."""
         return {
@@ -71,21 +82,27 @@ class StoreLink:
             return
         while self.store is None:
             try:
-                self.store = await asyncio.to_thread(self._connect)
+                self.store = await asyncio.to_thread(self._connect_pinned)
             except StoreUnavailable as e:
                 log.warning("kv_store_unavailable", master=self.args.kv_store, error=str(e),
                             retry_s=RETRY_S)  # fmt: skip
                 await asyncio.sleep(RETRY_S)
-        store, eng = self.store, self.aengine.engine
-
-        def export(hashes: Any, blocks: Any) -> None:
-            store.offer(eng.kv, hashes, blocks)
-
-        await self.aengine.call(lambda: setattr(eng, "kv_export", export))
+        store = self.store
+        await export_to(self.aengine, store)
         log.info("kv_store_connected", master=self.args.kv_store, key_prefix=store.fmt.prefix,
                  segment_mib=self.args.kv_store_segment_mib)  # fmt: skip
 
-    def _connect(self) -> KVStore:
+    def _connect_pinned(self) -> KVStore:
+        """``_connect`` from a thread on ``--kv-store-cpus``, so the store client's threads
+        start there; unpinned (logged) when the system refuses those cores."""
+        cpus = self.args.kv_store_cpus
+        try:
+            return pinned_call(cpus, lambda: self._connect(cpus))
+        except OSError as e:
+            log.warning("kv_store_cpus_refused", cpus=sorted(cpus or ()), error=str(e))
+            return self._connect(None)
+
+    def _connect(self, cpus: frozenset[int] | None) -> KVStore:
         from transfer.mooncake import rdma_devices, resolve_protocol
 
         args, eng = self.args, self.aengine.engine
@@ -103,12 +120,15 @@ class StoreLink:
             eng.kv_spec, eng.model_digest, batch_invariant=eng.config.batch_invariant
         )
         return KVStore(
-            MooncakeBackend(options), fmt, write_buffer_bytes=args.kv_store_write_buffer_mib << 20
+            MooncakeBackend(options),
+            fmt,
+            write_buffer_bytes=args.kv_store_write_buffer_mib << 20,
+            cpus=cpus,
         )
 
     async def close(self) -> None:
         if self.store is not None:
-            await self.aengine.call(lambda: setattr(self.aengine.engine, "kv_export", None))
+            await export_to(self.aengine, None)
             await asyncio.to_thread(self.store.close)
             self.store = None
 
@@ -130,6 +150,15 @@ _COUNTERS = {
     ),
     "missing_blocks": ("missing_blocks", "Blocks the store listed but could not read back."),
     "lookups": ("lookups", "Prefix lookups in the KV store."),
+    "absent_blocks": (
+        "absent_blocks",
+        "Lookups whose run ended before the prefix did (the store lacked a block: evicted, "
+        "or never stored); each such block is reported to the scheduler's store index.",
+    ),
+    "copied_blocks": (
+        "copied_blocks",
+        "Blocks copied out of the pool into the write buffer (on the store's threads).",
+    ),
 }
 
 
@@ -148,6 +177,11 @@ class _StoreCollector(Collector):
             "pdserve:kv_store_load_seconds", "Time spent loading prefixes from the KV store.",
             labels=["role"],
         )  # fmt: skip
+        offer = CounterMetricFamily(
+            "pdserve:kv_store_offer_seconds",
+            "Time the engine thread spent handing blocks to the KV store (no copies).",
+            labels=["role"],
+        )
         loads = CounterMetricFamily(
             "pdserve:kv_store_loads", "Prefix loads from the KV store.", labels=["role"]
         )
@@ -161,9 +195,11 @@ class _StoreCollector(Collector):
             for name, (field, _) in _COUNTERS.items():
                 counters[name].add_metric([link.role], getattr(stats, field) if stats else 0)
             seconds.add_metric([link.role], stats.load_seconds_total if stats else 0.0)
+            offer.add_metric([link.role], stats.offer_seconds_total if stats else 0.0)
             loads.add_metric([link.role], stats.loads if stats else 0)
         yield from counters.values()
         yield seconds
+        yield offer
         yield loads
         yield connected
 

@@ -45,6 +45,13 @@ ERRORS = Counter(
 TRANSFER_BYTES = Counter(
     "pdserve:kv_transfer_bytes_total", "KV bytes moved between workers.", ["role", "transport"]
 )
+LOCAL_PREFILL_REROUTES = Counter(
+    "pdserve:local_prefill_reroutes_total",
+    "Requests the scheduler placed for a local prefill that this decode worker sent to a "
+    "prefill worker instead: more than the limit was uncached where it landed (its cache and "
+    "its KV store held less than the scheduler's index said).",
+    ["role"],
+)
 PROMPT_TOKENS_CACHED = Counter(
     "pdserve:prompt_tokens_cached_total",
     "Prompt tokens whose KV this worker already held (its prefix cache): a prefill worker's "

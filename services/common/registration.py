@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Protocol
 
 import grpc
 import structlog
@@ -34,6 +35,14 @@ _RPC_TIMEOUT_S = 2.0
 EVENT_INTERVAL_S = 0.05
 
 
+class StoreReports(Protocol):
+    """What a worker's KV store learned since it was last asked (``StoreLink``)."""
+
+    def confirmed(self) -> list[int]: ...
+
+    def missing(self) -> list[int]: ...
+
+
 class Registrar:
     def __init__(
         self,
@@ -44,17 +53,18 @@ class Registrar:
         interval_s: float = 1.0,
         cache: CacheEventLog | None = None,
         event_interval_s: float = EVENT_INTERVAL_S,
-        stored: Callable[[], list[int]] | None = None,
+        store: StoreReports | None = None,
         verify_keys: VerifyKeys | None = None,
     ) -> None:
-        """``stored()``: the blocks confirmed in the worker's KV store since the last call
-        (each heartbeat carries them). ``verify_keys``: where the scheduler's placement
-        public key goes, from every reply (a prefill worker checks tokens against them)."""
+        """``store``: the worker's KV store link; each heartbeat carries the blocks it
+        confirmed there and found missing there since the previous one. ``verify_keys``:
+        where the scheduler's placement public key goes, from every reply (a prefill worker
+        checks tokens against them)."""
         self.info = info
         self.verify_keys = verify_keys if verify_keys is not None else VerifyKeys()
         self._load = load
         self._cache = cache
-        self._stored = stored
+        self._store = store
         self.interval_s = interval_s
         self.event_interval_s = event_interval_s
         self._channel = cluster_auth.channel(scheduler_address, options=SCHEDULER_CHANNEL_OPTIONS)
@@ -110,8 +120,9 @@ class Registrar:
                 self._seq = 0  # a new registration starts a new heartbeat sequence
                 log.info("registered", worker_id=self.info.worker_id)
             fields = self._cache_fields()
-            if self._stored is not None:
-                fields["stored_block_hashes"] = self._stored()
+            if self._store is not None:
+                fields["stored_block_hashes"] = self._store.confirmed()
+                fields["store_missing_block_hashes"] = self._store.missing()
             # Until the scheduler answers, the next heartbeat sends a snapshot: a delta lost
             # with a failed call cannot be sent again.
             self._snapshot_due = True

@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from engine.threads import check_cpus
+from engine.threads import check_cpus, core_set
 
 C = TypeVar("C")
 C_co = TypeVar("C_co", covariant=True)
@@ -380,6 +380,19 @@ def read_secret(path: str | None, what: str) -> str | None:
 def log_level(text: str) -> str:
     """A log level in any case; the field's ``choices`` (``LOG_LEVELS``) check the name."""
     return text.strip().lower()
+
+
+def machine_cpu_list(text: str) -> frozenset[int]:
+    """A comma list of cores (``"0,2"``), each one of this machine's (this process may be
+    pinned elsewhere: a thread it starts moves there)."""
+    try:
+        cores = core_set(int(c) for c in text.split(",") if c.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of core numbers: {text!r}") from None
+    count = os.cpu_count() or 1
+    if max(cores) >= count:
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has cores 0-{count - 1}")
+    return cores
 
 
 def cpu_list(text: str) -> frozenset[int]:

@@ -220,7 +220,7 @@ async def serve_worker(
         registrar = Registrar(
             args.scheduler, info, lambda: load_snapshot(aengine.stats, role),
             interval_s=args.heartbeat_interval_s, cache=aengine.engine.cache_events,
-            stored=store.confirmed if store is not None else None, verify_keys=verify_keys,
+            store=store, verify_keys=verify_keys,
         )  # fmt: skip
         background.append(registrar.run())
 

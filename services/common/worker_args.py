@@ -7,7 +7,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
-from services.common.settings import LOG_LEVELS, log_level, setting
+from services.common.settings import LOG_LEVELS, log_level, machine_cpu_list, setting
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,15 @@ class KVStoreArgs:
         128,
         "MiB of blocks waiting to be stored; blocks computed while it is full are dropped "
         "(counted), never waited for",
+    )
+    kv_store_cpus: frozenset[int] | None = setting(
+        None,
+        "run the store's threads (its block copier and putter, its loaders, and the store "
+        "client's own transfer threads) on these cores (comma list), so that none runs on "
+        "the engine's core (pdserve up --pin gives a decode worker the control cores; "
+        "default: the process's cores)",
+        parse=machine_cpu_list,
+        metavar="CPUS",
     )
     kv_store_load_timeout_s: float = setting(
         2.0, "how long a prefix load may take before the prompt is computed instead"

@@ -36,6 +36,9 @@ class GenerateRequest:
     resume_token_ids: tuple[int, ...] = ()  # a migrated request's tokens so far
     prefill: PrefillPlacement | None = None  # None: prefill here
     attempt: int = 0  # which placement of the request this is
+    # > 0: prefill here only if at most this many tokens remain uncached (cache, store);
+    # else with ``prefill`` (the scheduler's fallback)
+    local_prefill_max_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,14 @@ Request lifecycle (each stage a queue):
      prompt straight into those blocks (``num_present_tokens``: what is already here)
   -> joined to the running batch with its first token -> tokens streamed until a stop
      condition -> blocks freed (finish, error or cancel; full ones stay cached).
-Exactly when the request names no prefill worker (or on a colocated worker) the prompt is
-prefilled here by the same engine: the scheduler alone decides local vs remote prefill.
+When the request names no prefill worker (or on a colocated worker) the prompt is
+prefilled here by the same engine. When the scheduler chose a local prefill for a short
+uncached suffix (``local_prefill_max_tokens``), this worker checks it first: its own prefix
+cache plus what its KV store's lookup finds now must leave at most that many tokens to
+compute, else the prompt goes to the fallback prefill worker the placement names (a
+reroute: counted, and the store's miss reaches the scheduler's index with the next
+heartbeat), or is refused RESOURCE_EXHAUSTED when it names none. A long prompt is never
+computed on the decode core because an index was stale.
 A migrated request (``resume_token_ids``) has prompt + those tokens prefilled the same way
 and continues after them.
 
@@ -30,10 +36,10 @@ import grpc
 import structlog
 
 from engine.async_engine import AsyncEngine
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, ResourceExhaustedError
 from engine.llm_engine import Reservation
 from engine.output_processor import RequestOutput
-from kvstore.prefix import loaded_prefix
+from kvstore.prefix import loaded_prefix, uncached_tokens
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common import cluster_auth, metrics
 from services.common.channels import ChannelPool
@@ -98,6 +104,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.kv_bytes_received = 0
         metrics.PROMPT_TOKENS_CACHED.labels(role)  # exported at 0 from the start
         metrics.PROMPT_TOKENS_COMPUTED.labels(role)
+        metrics.LOCAL_PREFILL_REROUTES.labels(role)
         if region is not None:  # export the series at 0 before the first transfer
             metrics.TRANSFER_BYTES.labels(role, region.transport)
 
@@ -116,10 +123,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             except InvalidRequestError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 return
-            # Prefilled here when asked so, or on a colocated worker (no region to write).
-            prefill = req.prefill if self.region is not None else None
-            prefill_id = prefill.worker_id if prefill is not None else ""
             try:
+                # Prefilled here when asked so, or on a colocated worker (no region to write).
+                prefill = await self._prefill_worker(req) if self.region is not None else None
+                prefill_id = prefill.worker_id if prefill is not None else ""
                 if prefill is not None:
                     stream, kv_bytes = await self._remote_prefill(req, prefill)
                 else:
@@ -174,6 +181,29 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if out.finished:
                 metrics.E2E.labels(self.role).observe(now - arrival)
                 metrics.REQUESTS.labels(self.role, out.finish_reason or "").inc()
+
+    async def _prefill_worker(self, req: GenerateRequest) -> PrefillPlacement | None:
+        """Who computes ``req``'s prompt: None (this worker) or a prefill worker. A local
+        prefill the scheduler chose is checked here (module docstring)."""
+        limit = req.local_prefill_max_tokens
+        if limit <= 0:
+            return req.prefill
+        link = self.store
+        store = link.store if link is not None else None
+        timeout_s = link.args.kv_store_load_timeout_s if link is not None else 1.0
+        ids = [*req.prompt_token_ids, *req.resume_token_ids]
+        uncached = await uncached_tokens(self.aengine, store, ids, timeout_s=timeout_s)
+        if uncached <= limit:
+            return None
+        metrics.LOCAL_PREFILL_REROUTES.labels(self.role).inc()
+        log.info("local_prefill_rerouted", uncached_tokens=uncached, limit=limit,
+                 prefill=req.prefill.worker_id if req.prefill else "")  # fmt: skip
+        if req.prefill is None:
+            raise ResourceExhaustedError(
+                f"{uncached} prompt tokens are uncached here (limit {limit}) and no prefill "
+                "worker was given"
+            )
+        return req.prefill
 
     async def _local(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Prefill here (the prefix the KV store holds loaded first), then decode."""

@@ -276,6 +276,7 @@ class ClusterBackend:
                 resume_token_ids=received,
                 placement_token=placement.placement_token,
                 attempt=attempt,
+                local_prefill_max_tokens=placement.local_prefill_max_tokens,
             ),
             timeout=self.generate_timeout_s,
         )
@@ -283,7 +284,9 @@ class ClusterBackend:
             request_id=req.request_id,
             attempt=attempt,
             decode_worker_id=decode.worker_id,
-            prefill_worker_id=placement.prefill.worker_id if prefill_addr else "",
+            prefill_worker_id=""
+            if placement.local_prefill_max_tokens
+            else (placement.prefill.worker_id if prefill_addr else ""),
             arrival_unix_ns=arrival_ns,
         )
         completion = len(received)
@@ -297,6 +300,7 @@ class ClusterBackend:
                 if reason is not None:
                     finished = True
                     outcome.finish_reason = ev.finish_reason
+                    outcome.prefill_worker_id = ev.prefill_worker_id  # "" when prefilled here
                     outcome.usage.CopyFrom(ev.usage)
                     outcome.kv_transfer_bytes = ev.kv_transfer_bytes
                 yield chunk_from_event(ev, req, completion, decode.worker_id)

@@ -69,11 +69,6 @@ class SchedulerConfig:
         "prompt tokens (with cache-aware routing: the prompt minus what it caches; else the "
         "whole prompt); `pdserve plan` prints the limit for a profile and ITL SLO (0: never)",
     )
-    kv_store_index_ttl_s: float = setting(
-        600.0,
-        "how long a KV block a worker confirmed in its KV store counts as held there when "
-        "placing (stores evict without telling; a load that finds less computes the rest)",
-    )
     request_ttl_s: float = setting(3600.0, "TTL of request records in Redis")
     prefix_ttl_s: float = setting(3600.0, "TTL of prefix-index sets in Redis (renewed on add)")
     store_queue_size: int = setting(8192, "bound of the Redis write-behind queue")
@@ -105,7 +100,6 @@ class SchedulerConfig:
             "max_queued_prompt_tokens",
             "request_ttl_s",
             "prefix_ttl_s",
-            "kv_store_index_ttl_s",
             "store_queue_size",
             "redis_timeout_s",
             "placement_token_ttl_s",
@@ -145,7 +139,6 @@ class SchedulerConfig:
             queue_size=self.queue_size,
             limits=self.limits(),
             routing=Routing(self.routing),
-            store_index_ttl_s=self.kv_store_index_ttl_s,
         )
 
 

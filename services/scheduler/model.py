@@ -201,7 +201,10 @@ class PlaceRequest:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a request runs. ``prefill`` is None exactly when the decode worker prefills."""
+    """Where a request runs. ``prefill`` computes the prompt when ``mode`` is DISAGGREGATED.
+    With ``local_prefill_max_tokens`` (LOCAL_SHORT_PROMPT) the decode worker prefills only
+    if at most that many tokens remain uncached where it lands; else ``prefill`` (a
+    fallback; None: none had room) does."""
 
     request_id: str
     attempt: int
@@ -211,6 +214,7 @@ class Placement:
     expected_cached_tokens: int = 0
     decode_kv_blocks: int = 0
     """KV blocks the placement reserved on the decode worker."""
+    local_prefill_max_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -255,6 +259,7 @@ class HeartbeatReport:
     cached_removed: tuple[int, ...] = ()
     cache_snapshot: bool = False
     stored: tuple[int, ...] = ()  # block hashes confirmed in the worker's KV store
+    store_missing: tuple[int, ...] = ()  # block hashes a lookup found missing there
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ at prompt - 1 (the last token is always computed, for its logits). ``loadable(w)
 tokens beyond those that ``w``'s KV store holds (the leading blocks its workers confirmed
 there lately: ``store_index``), which ``w`` would load instead of computing.
 ``uncached(w)`` = prompt - ``cached(w)`` - ``loadable(w)``: the tokens ``w`` would compute.
+The store index trusts a confirmation until a worker reports the block missing; a local
+prefill it chose on a stale entry is checked where it lands (below).
 
 Choice, by ``Routing`` (``--routing``; every order ends with the worker id, so the choice is
 deterministic):
@@ -37,7 +39,10 @@ deterministic):
   - conditional disaggregation: the decode worker prefills locally when ``uncached(d) <=
     local_prefill_max_tokens`` and the uncached prompt tokens it was given and has not yet
     computed stay within that limit (a short suffix costs running streams about one step;
-    ``pdserve plan`` prints the limit that keeps one such step within an ITL SLO).
+    ``pdserve plan`` prints the limit that keeps one such step within an ITL SLO). The
+    placement carries the limit and a fallback prefill worker (chosen as for a
+    disaggregated placement, when one has room): the decode worker checks the suffix where
+    it lands (its own cache, its store's lookup) and sends a longer one to the fallback.
 * ``least-loaded``: prefill: the smallest backlog, then fewer active sequences; decode:
   fewer active sequences, then more free blocks. No cache in the choice; a prompt of at most
   ``local_prefill_max_tokens`` tokens is prefilled locally.
@@ -273,7 +278,7 @@ def stored_runs(
         for w in workers
         if w.info.kv_store and w.info.capacity.block_size == req.hash_block_size
     }
-    return {s: index.leading_run(s, req.prompt_block_hashes, snapshot.now) for s in stores}
+    return {s: index.leading_run(s, req.prompt_block_hashes) for s in stores}
 
 
 def _decode_order(
@@ -407,12 +412,15 @@ def _pair(
         if decode.info.role is Role.COLOCATED:
             return _placement(req, cache, decode, PrefillMode.LOCAL_COLOCATED)
         suffix = cache.uncached(decode)
-        if suffix <= limit and decode.queued_prompt_tokens + suffix <= limit:
-            return _placement(req, cache, decode, PrefillMode.LOCAL_SHORT_PROMPT)
         compatible = [p for p in prefillers if transports_compatible(p, decode)]
+        ready = [p for p in compatible if has_prefill_room(p, req, limits)]
+        if suffix <= limit and decode.queued_prompt_tokens + suffix <= limit:
+            fallback = _choose_prefill(ready, snapshot, cache) if ready else None
+            return _placement(
+                req, cache, decode, PrefillMode.LOCAL_SHORT_PROMPT, fallback, local_limit=limit
+            )
         if not compatible:
             return _placement(req, cache, decode, PrefillMode.LOCAL_FALLBACK)
-        ready = [p for p in compatible if has_prefill_room(p, req, limits)]
         if ready:
             prefill = _choose_prefill(ready, snapshot, cache)
             return _placement(req, cache, decode, PrefillMode.DISAGGREGATED, prefill)
@@ -425,14 +433,19 @@ def _placement(
     decode: WorkerView,
     mode: PrefillMode,
     prefill: WorkerView | None = None,
+    *,
+    local_limit: int = 0,
 ) -> Placement:
-    """``req`` on ``decode``, prefilled by ``prefill`` (None: by ``decode`` itself)."""
+    """``req`` on ``decode``, prefilled by ``prefill`` when ``mode`` is DISAGGREGATED, else
+    by ``decode`` itself (``prefill``: the fallback past ``local_limit`` uncached tokens)."""
+    computes = prefill if mode is PrefillMode.DISAGGREGATED and prefill is not None else decode
     return Placement(
         request_id=req.request_id,
         attempt=req.attempt,
         decode=decode.info,
         prefill=prefill.info if prefill is not None else None,
         mode=mode,
-        expected_cached_tokens=cache.reused(prefill if prefill is not None else decode),
+        expected_cached_tokens=cache.reused(computes),
         decode_kv_blocks=decode_blocks_needed(decode, req),
+        local_prefill_max_tokens=local_limit,
     )

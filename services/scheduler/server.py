@@ -192,6 +192,7 @@ def placement_to_pb(placement: Placement) -> scheduler_pb2.Placement:
         request_id=placement.request_id,
         decode=worker_info_to_pb(placement.decode),
         expected_cached_tokens=placement.expected_cached_tokens,
+        local_prefill_max_tokens=placement.local_prefill_max_tokens,
     )
     if placement.prefill is not None:
         pb.prefill.CopyFrom(worker_info_to_pb(placement.prefill))
@@ -221,6 +222,7 @@ def heartbeat_from_pb(pb: scheduler_pb2.HeartbeatRequest) -> HeartbeatReport:
         cached_removed=tuple(pb.cached_block_hashes_removed),
         cache_snapshot=pb.cache_snapshot,
         stored=tuple(pb.stored_block_hashes),
+        store_missing=tuple(pb.store_missing_block_hashes),
     )
 
 

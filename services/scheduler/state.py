@@ -36,6 +36,7 @@ from services.scheduler.model import (
     Outcome,
     Placement,
     PlaceRequest,
+    PrefillMode,
     Rejection,
     Reservation,
     Role,
@@ -47,7 +48,6 @@ from services.scheduler.model import (
 )
 from services.scheduler.policy import AdmissionLimits, ClusterSnapshot, place
 from services.scheduler.store import NullSink, RecordSink, StoredWorker
-from services.scheduler.store_index import DEFAULT_TTL_S as DEFAULT_STORE_TTL_S
 from services.scheduler.store_index import StoreIndex
 
 log = structlog.get_logger(__name__)
@@ -158,8 +158,6 @@ class StateConfig:
     placement_memo_max: int = 100_000
     tick_s: float | None = None
     """Expiry tick period; default: a tenth of the lease, within [0.05, 1] s."""
-    store_index_ttl_s: float = DEFAULT_STORE_TTL_S
-    """How long a block confirmed in a KV store counts as held there (``store_index``)."""
 
     @property
     def expire_tick_s(self) -> float:
@@ -193,7 +191,7 @@ class SchedulerState:
         )
         self._workers: dict[str, _Worker] = {}
         self._index: dict[int, set[str]] = {}
-        self._stored = StoreIndex(config.store_index_ttl_s)
+        self._stored = StoreIndex()
         self._memo: OrderedDict[tuple[str, int], tuple[float, Placement]] = OrderedDict()
         self._last_prefill = ""  # the previous placement's workers (round-robin)
         self._last_decode = ""
@@ -446,7 +444,8 @@ class SchedulerState:
                 worker, added=set(report.cached_added), removed=set(report.cached_removed)
             )
         worker.last_sequence = report.sequence
-        self._stored.note(worker.info.kv_store, report.stored, now)
+        self._stored.note(worker.info.kv_store, report.stored)
+        self._stored.forget(worker.info.kv_store, report.store_missing)
         # The reported load includes requests placed well before this heartbeat; newer
         # reservations may not have reached the worker yet, so they stay counted.
         settled = now - self._settle_s
@@ -491,17 +490,18 @@ class SchedulerState:
             return result
         now = self._clock()
         tokens = request.prompt_tokens - result.expected_cached_tokens  # to compute
+        remote = result.mode is PrefillMode.DISAGGREGATED
         decode = self._workers[result.decode.worker_id]
         decode.reservations[request.request_id] = (
             now,
             Reservation(
                 kv_blocks=result.decode_kv_blocks,
                 sequences=1,
-                prompt_tokens=tokens if result.prefill is None else 0,
+                prompt_tokens=0 if remote else tokens,
             ),
         )
         self._last_decode = decode.info.worker_id
-        if result.prefill is not None:
+        if remote and result.prefill is not None:
             prefill = self._workers[result.prefill.worker_id]
             prefill.reservations[request.request_id] = (
                 now,
@@ -526,7 +526,6 @@ class SchedulerState:
 
     def _expire(self) -> list[str]:
         now = self._clock()
-        self._stored.expire(now)
         ttl = self._config.lease_ttl_s
         dead = [wid for wid, w in self._workers.items() if now - w.last_seen > ttl]
         for worker_id in dead:

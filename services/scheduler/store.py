@@ -39,6 +39,7 @@ from services.scheduler.model import (
     Outcome,
     Placement,
     PlaceRequest,
+    PrefillMode,
     Role,
     WorkerCapacity,
     WorkerInfo,
@@ -272,7 +273,9 @@ class RedisStore:
             "status": "placed",
             "attempt": placement.attempt,
             "model": req.model,
-            "prefill": placement.prefill.worker_id if placement.prefill else "",
+            "prefill": placement.prefill.worker_id
+            if placement.prefill and placement.mode is PrefillMode.DISAGGREGATED
+            else "",
             "decode": placement.decode.worker_id,
             "prefill_mode": placement.mode.value,
             "prompt_tokens": req.prompt_tokens,

@@ -58,7 +58,13 @@ def stores(master: MooncakeMaster) -> Iterator[Callable[..., KVStore]]:
 
 
 def _export_to(engine: LLMEngine, store: KVStore) -> None:
-    engine.kv_export = lambda hashes, blocks: store.offer(engine.kv, hashes, blocks)
+    """The engine's blocks go to ``store`` without holds: these tests flush the store before
+    the pool changes again (``export_to``, the serving path's wiring, holds them)."""
+
+    def export(hashes, blocks) -> None:
+        store.offer(engine.kv, hashes, blocks)
+
+    engine.kv_export = export
 
 
 def _block_bytes(engine: LLMEngine, block_hash: int) -> torch.Tensor:

@@ -42,23 +42,29 @@ def test_assign_cores_puts_decode_workers_first_and_away_from_the_control_plane(
 
 def test_pinned_workers_keep_the_core_for_the_engine_thread_and_share_free_control_cores() -> None:
     # a control core no worker computes on: the process may also run there, the engine
-    # thread only on its core
+    # thread only on its core; a decoding worker's KV store runs on the control cores
     assert worker_placement("colocated-0", {"colocated-0": 1}, {0}) == (
-        {0, 1}, ["--engine-cpus", "1"],
+        {0, 1}, ["--engine-cpus", "1", "--kv-store-cpus", "0"],
     )  # fmt: skip
     plan = {"decode-0": 1, "decode-1": 2, "prefill-0": 3}
-    assert worker_placement("decode-0", plan, {0}) == ({0, 1}, ["--engine-cpus", "1"])
+    assert worker_placement("decode-0", plan, {0}) == (
+        {0, 1}, ["--engine-cpus", "1", "--kv-store-cpus", "0"],
+    )  # fmt: skip
     assert worker_placement("prefill-0", plan, {0, 1}) == ({0, 3}, ["--engine-cpus", "3"])
-    # the only control core runs a prefill worker: nothing spare, whole process on its core
+    # the only control core runs a prefill worker: nothing spare, whole process on its
+    # core; the decode worker's store still goes to the control core, away from its engine
     two = {"decode-0": 1, "prefill-0": 0}
-    assert worker_placement("decode-0", two, {0}) == ({1}, [])
+    assert worker_placement("decode-0", two, {0}) == ({1}, ["--kv-store-cpus", "0"])
     assert worker_placement("prefill-0", two, {0}) == ({0}, [])
+    # a decode worker on the control core itself keeps its store with it
+    assert worker_placement("decode-0", {"decode-0": 0}, {0}) == ({0}, [])
     # no control cores named: the whole process on its core
     assert worker_placement("decode-0", {"decode-0": 1}, None) == ({1}, [])
     # not pinned at all
     assert worker_placement("decode-0", {}, {0}) == (None, [])
-    # the flag it hands out is one both workers parse
+    # the flags it hands out are ones both workers parse, for cores outside their own
     assert decode_config(["--engine-cpus", "0"], {}).tuning.engine_cpus == {0}
+    assert decode_config(["--kv-store-cpus", "0"], {}).store.kv_store_cpus == {0}
     assert prefill_config(["--engine-cpus", "0"], {}).tuning.engine_cpus == {0}
 
 

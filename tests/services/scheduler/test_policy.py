@@ -20,6 +20,7 @@ from services.scheduler.model import (
     blocks_for,
 )
 from services.scheduler.policy import (
+    LOCAL_PREFILL_MAX_TOKENS,
     AdmissionLimits,
     ClusterSnapshot,
     has_decode_room,
@@ -384,7 +385,10 @@ def test_property_placement_only_picks_live_workers_with_room(
         assert result.mode is not PrefillMode.DISAGGREGATED
     else:
         prefill = by_id[result.prefill.worker_id]
-        assert result.mode is PrefillMode.DISAGGREGATED
+        # computing the prompt, or the fallback of a short local prefill
+        assert result.mode is PrefillMode.DISAGGREGATED or (
+            result.mode is PrefillMode.LOCAL_SHORT_PROMPT and result.local_prefill_max_tokens
+        )
         assert prefill.info.role is Role.PREFILL
         assert _usable(prefill, req.model, req.exclude_worker_ids)
         assert has_prefill_room(prefill, req, limits)
@@ -395,7 +399,7 @@ def test_property_placement_only_picks_live_workers_with_room(
 
 def _prefill_of(result: Placement | Rejection) -> str:
     placed = _placed(result)
-    assert placed.prefill is not None, placed
+    assert placed.prefill is not None and placed.mode is PrefillMode.DISAGGREGATED, placed
     return placed.prefill.worker_id
 
 
@@ -422,8 +426,15 @@ def test_a_short_uncached_suffix_is_prefilled_on_the_decode_worker() -> None:
     req = request(prompt=80, hashes=H)
     workers = (view("d1"), view("p1", Role.PREFILL))
     local = _placed(place(snapshot(*workers, index=index), req))
-    assert local.prefill is None and local.mode is PrefillMode.LOCAL_SHORT_PROMPT
+    assert local.mode is PrefillMode.LOCAL_SHORT_PROMPT
     assert local.expected_cached_tokens == 64
+    # The decode worker checks the suffix where it lands: the limit, and p1 past it.
+    assert local.local_prefill_max_tokens == LOCAL_PREFILL_MAX_TOKENS
+    assert local.prefill is not None and local.prefill.worker_id == "p1"
+    # A prefill worker without room is no fallback: the placement names none.
+    full = (view("d1"), view("p1", Role.PREFILL, queued_tokens=70000))
+    local = _placed(place(snapshot(*full, index=index), req))
+    assert local.mode is PrefillMode.LOCAL_SHORT_PROMPT and local.prefill is None
     # Not when the decode worker already has other uncomputed prompt tokens queued...
     busy = (view("d1", queued_tokens=20), view("p1", Role.PREFILL))
     assert _prefill_of(place(snapshot(*busy, index=index), req)) == "p1"
@@ -439,8 +450,8 @@ def test_a_short_uncached_suffix_is_prefilled_on_the_decode_worker() -> None:
 
 
 def _stored(*hashes: int, store: str = "kv:1") -> StoreIndex:
-    index = StoreIndex(ttl_s=60.0)
-    index.note(store, hashes, now=NOW)
+    index = StoreIndex()
+    index.note(store, hashes)
     return index
 
 
@@ -472,8 +483,12 @@ def test_a_decode_worker_loads_a_stored_prefix_and_prefills_the_suffix_itself() 
     req = request(prompt=80, hashes=H)
     workers = (view("d1", kv_store="kv:1"), view("p1", Role.PREFILL, kv_store="kv:1"))
     local = _placed(place(snapshot(*workers, store_index=_stored(*H)), req))
-    assert local.prefill is None and local.mode is PrefillMode.LOCAL_SHORT_PROMPT
+    assert local.mode is PrefillMode.LOCAL_SHORT_PROMPT and local.local_prefill_max_tokens
     assert local.expected_cached_tokens == 64
+    # Once a worker reports the second block missing, the store is trusted no further.
+    forgotten = _stored(*H)
+    forgotten.forget("kv:1", [H[1]])
+    assert _prefill_of(place(snapshot(*workers, store_index=forgotten), req)) == "p1"
     # A run with a hole is only its leading part: 64 tokens to compute, on p1.
     assert _prefill_of(place(snapshot(*workers, store_index=_stored(11, 33, 44)), req)) == "p1"
 

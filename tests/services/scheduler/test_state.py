@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import replace
 
 import pytest
 from structlog.testing import capture_logs
@@ -14,6 +15,7 @@ from services.scheduler.model import (
     HeartbeatReport,
     Outcome,
     Placement,
+    PrefillMode,
     Rejection,
     RejectReason,
     Role,
@@ -233,6 +235,25 @@ async def test_prefix_index_follows_heartbeats(state: SchedulerState) -> None:
     await state.heartbeat(_beat("p2", 2, added=(9,), snapshot=True))
     await state.deregister("p1")
     assert dict((await state.inspect()).prefix_index) == {9: {"p2"}}
+
+
+async def test_the_store_index_follows_confirmations_and_reported_misses(
+    state: SchedulerState,
+) -> None:
+    for worker_id, role in (("d1", Role.DECODE), ("p1", Role.PREFILL)):
+        await state.register(info(worker_id, role, kv_store="kv:1"))
+        await state.heartbeat(_beat(worker_id, 0, snapshot=True))
+    # p1 put 4 blocks of a 5-block prompt: d1 would load them and compute 16 tokens
+    await state.heartbeat(replace(_beat("p1", 1), stored=(1, 2, 3, 4)))
+    prompt = request("r1", prompt=5 * BLOCK, hashes=(1, 2, 3, 4))
+    placed = await state.place(prompt)
+    assert isinstance(placed, Placement) and placed.mode is PrefillMode.LOCAL_SHORT_PROMPT
+    assert placed.expected_cached_tokens == 4 * BLOCK
+    # d1's lookup found block 2 gone (evicted): only block 1 is cheap now; p1 computes
+    await state.heartbeat(replace(_beat("d1", 1), store_missing=(2,)))
+    placed = await state.place(replace(prompt, request_id="r2"))
+    assert isinstance(placed, Placement) and placed.mode is PrefillMode.DISAGGREGATED
+    assert placed.expected_cached_tokens == BLOCK
 
 
 async def test_sequence_gap_asks_for_a_cache_snapshot(state: SchedulerState) -> None:
