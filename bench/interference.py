@@ -8,7 +8,10 @@ steady decode streams plus long prompts arriving on a schedule) against, in turn
   disaggregated       one prefill worker pinned to one core, one decode worker pinned to
                       the other (``pdserve up --prefill 1 --decode 1 --pin``); redis, the
                       scheduler, the gateway and this load generator on the prefill
-                      worker's core, so the decode core runs the decode worker alone
+                      worker's core, so the decode core runs the decode worker alone; the
+                      KV store on, as by default
+  disaggregated-no-store  the same without the KV store (``--kv-store-segment-mib 0``):
+                      what the store costs the decode tail
   llama.cpp           optional (``--peer``): llama.cpp's ``llama-server`` on both cores with
                       parallel slots, on the same GGUF (benchmark-only; built by
                       ``python -m bench.peers.llama_server build``)
@@ -41,7 +44,8 @@ from typing import Any
 
 from bench._common import machine_info, pinned
 
-MODES = ("colocated", "colocated-chunked", "disaggregated")
+NO_STORE = "disaggregated-no-store"
+MODES = ("colocated", "colocated-chunked", "disaggregated", NO_STORE)
 # On request only: the disaggregated stack with `pdserve up --no-pin` (the OS places every
 # process and thread), the reference for what pinning buys.
 UNPINNED = "disaggregated-unpinned"
@@ -90,6 +94,12 @@ def modes_for(args: argparse.Namespace) -> list[Mode]:
             (*disaggregated, *transport, *common),
             describe=f"1 prefill + 1 decode, a core and 1 thread each, {args.transport}; "
             "control plane and this client on the prefill core",
+            client_cpus=frozenset({int(first_core)}),
+        ),
+        NO_STORE: Mode(
+            NO_STORE,
+            (*disaggregated, *transport, *common, "--kv-store-segment-mib", "0"),
+            describe=f"the same as disaggregated without the KV store, {args.transport}",
             client_cpus=frozenset({int(first_core)}),
         ),
         UNPINNED: Mode(
@@ -340,6 +350,14 @@ def check_targets(rows: Sequence[dict[str, Any]]) -> list[Check]:
     if dis and dis["itl_ratio"] is not None:
         out.append(Check("disaggregated P99/P50 ITL", f"{dis['itl_ratio']:.2f}", "≤ 1.3",
                          dis["itl_ratio"] <= 1.3))  # fmt: skip
+    bare = by.get(NO_STORE)
+    if dis and bare and dis["itl_p99"] and bare["itl_p99"]:
+        r = dis["itl_p99"] / bare["itl_p99"]
+        out.append(Check("disaggregated P99 ITL ÷ the same without the KV store", f"{r:.2f}",
+                         "≤ 1.15", r <= 1.15))  # fmt: skip
+    if dis and dis["itl_max"] and dis["itl_p50"]:
+        r = dis["itl_max"] / dis["itl_p50"]
+        out.append(Check("disaggregated max ITL ÷ its P50", f"{r:.2f}", "≤ 2.5", r <= 2.5))
     if col and col["itl_ratio"] is not None:
         out.append(Check("colocated P99/P50 ITL", f"{col['itl_ratio']:.2f}", "≥ 5",
                          col["itl_ratio"] >= 5.0))  # fmt: skip

@@ -67,6 +67,20 @@ def test_rows_and_checks_from_known_runs() -> None:
     assert "MISS" in interference.format_checks(list(checks.values()))
 
 
+def test_the_store_checks_compare_with_the_storeless_run_and_bound_the_largest_gap() -> None:
+    # with the store: gaps of 60 ms and one of 160 ms; without: flat 60 ms
+    stored = _run("disaggregated", [0.06] * 99 + [0.16], long_ttft=2.0)
+    bare = _run(interference.NO_STORE, [0.06] * 100, long_ttft=2.0)
+    runs = [stored, bare]
+    interference.summarize_runs(runs, Slo(ttft_ms=1800.0, itl_ms=200.0))
+    checks = {c.name: c for c in interference.check_targets(interference.table_rows(runs))}
+    # P99 of 200 gaps: 1% of the way from 60 to 160 ms -> 61 ms, 1.02x the storeless 60
+    tail = checks["disaggregated P99 ITL ÷ the same without the KV store"]
+    assert tail.measured == "1.02" and tail.passed
+    gap = checks["disaggregated max ITL ÷ its P50"]
+    assert gap.measured == "2.67" and not gap.passed  # 160 / 60
+
+
 def test_the_peer_check_compares_the_disaggregated_median_with_llama_cpps() -> None:
     disaggregated = _run("disaggregated", [0.06] * 100, long_ttft=2.0)
     peer = _run(interference.PEER, [0.05] * 99 + [5.0], long_ttft=6.0)
@@ -106,7 +120,9 @@ def test_every_mode_parses_with_pdserve_up_flags() -> None:
             continue
         up = load_up_config(list(mode.up_flags), {})
         assert up.colocated == mode.name.startswith("colocated")
-        assert up.pin == (mode.name == "disaggregated")  # colocated threads float
+        assert up.pin == mode.name.startswith("disaggregated")  # colocated threads float
+        # the store on by default, off in the mode that measures its cost
+        assert (up.kv_store_segment_mib == 0) == (mode.name == interference.NO_STORE)
     chunked = load_up_config(list(modes[1].up_flags), {})
     assert chunked.engine.chunked_prefill == args.chunk
     disagg = load_up_config(list(modes[2].up_flags), {})

@@ -10,6 +10,7 @@ lookup that finds less than it asked for reports the first missing block.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -105,8 +106,13 @@ def test_every_store_thread_runs_on_the_cores_given(
     store = pinned_call({0}, connect)
     closing.append(store)
     assert store.submit(lambda: os.sched_getaffinity(0)).result(timeout=10) == {0}
-    new = {tid: v for tid, v in _threads().items() if tid not in before}
-    names = {name for name, _ in new.values()}
+    deadline = time.monotonic() + 10.0
+    while True:  # the copier and putter name themselves once they run
+        new = {tid: v for tid, v in _threads().items() if tid not in before}
+        names = {name for name, _ in new.values()}
+        if {"kv-store-copy", "kv-store-put"} <= names or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert {"kv-store-copy", "kv-store-put"} <= names
     assert len(new) > 3  # Mooncake's own transfer threads among them
     assert {cpus for _, cpus in new.values()} == {"0"}, new

@@ -398,6 +398,7 @@ SAMPLES: dict[str, Message] = {
             decode=_DECODE,
             expected_cached_tokens=512,
             placement_token="v1.e30.c2ln",
+            local_prefill_max_tokens=32,
         ),
         scheduler_pb2.RegisterWorkerRequest(worker=_WORKER),
         scheduler_pb2.RegisterWorkerReply(
@@ -418,6 +419,7 @@ SAMPLES: dict[str, Message] = {
             cached_block_hashes_added=_HASHES,
             cached_block_hashes_removed=[7],
             stored_block_hashes=[2**64 - 1, 5],
+            store_missing_block_hashes=[6],
             cache_snapshot=False,
         ),
         scheduler_pb2.HeartbeatReply(
@@ -476,6 +478,7 @@ SAMPLES: dict[str, Message] = {
             prefill_worker_id="prefill-0",
             placement_token="v2.e30.c2ln",
             attempt=1,
+            local_prefill_max_tokens=32,
             resume_token_ids=[9, 10],
         ),
         worker_pb2.DecodeEvent(
