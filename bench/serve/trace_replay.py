@@ -8,7 +8,8 @@ prompts, as ``RequestSpec`` lists (pure builders).
 2. Schedule: in timestamp order; the first kept request goes at t=0 and every gap is the
    trace's gap times ``time_scale`` (above 1: slower than recorded).
 3. Caps: requests scheduled at ``duration_s`` or later, and those past the first
-   ``max_requests``, are left out (a conversation loses its later turns, never its start).
+   ``max_requests``, are left out (a conversation loses its later turns before its earlier
+   ones).
 4. Scale lengths by ``token_divisor`` D: a prompt of ``round(input_length / D)`` tokens, an
    output of ``round(output_length / D)`` (at least 1 each), blocks of ``512 / D`` tokens.
 5. Prompts (``BlockWords``): hash id ``h`` stands for a block of single-token words drawn
