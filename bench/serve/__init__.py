@@ -7,5 +7,6 @@ Modules: ``workload`` (what to send: ``RequestSpec`` builders, exact-length prom
 ``session_runner`` (``run_sessions``: turns in order, sessions side by side), ``result``
 (``RequestRecord``, ``BenchResult``), ``metrics`` (``summarize``), ``reuse`` (cached vs
 computed tokens, KV bytes, per worker), ``report`` (the table), ``plots`` (PNG figures),
-``cli`` (the flags).
+``cli`` (the flags). Trace replay: ``trace`` (Mooncake's JSONL format), ``trace_replay``
+(a trace as ``RequestSpec`` lists, fitted to the host), ``trace_gen`` (synthetic traces).
 """

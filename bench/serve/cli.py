@@ -26,9 +26,21 @@ once more; prints a PASS/FAIL verdict: nothing hangs, the excess is refused (429
 a second, the huge prompts get a 4xx within a second, the admitted streams' ITL P99 stays
 within 3x the quiet P50, and the server serves normally afterwards (``bench.serve.overload``).
 
+Trace replay (``trace``): --trace FILE, a Mooncake-format JSONL trace (timestamp ms,
+input_length, output_length, hash_ids of 512-token prefix blocks; ``python -m
+bench.serve.trace_gen`` writes one), replayed open loop: each request at its timestamp,
+whatever the earlier ones did. Equal hash ids give byte-identical prompt blocks (seeded by a
+per-run nonce), so requests share exactly the prefixes the trace says. Fitted to the host by
+--trace-token-divisor (lengths and blocks / D), --trace-time-scale (gaps x S),
+--trace-sample (N whole conversations: requests sharing a first hash id) and the caps.
+Reported besides latency: good_fraction under the SLOs (default here: TTFT 2000 ms, ITL
+200 ms), the largest inter-token gap, and the cached share of prompt tokens as the server
+reports it, beside the most a prefix cache could have skipped.
+
 Goodput: a request is good when it succeeded, its TTFT <= --slo-ttft-ms and every one of its
-inter-token gaps <= --slo-itl-ms (an SLO not given is not checked). Failed requests are never
-good; goodput is good requests per second of the run.
+inter-token gaps <= --slo-itl-ms (an SLO not given is not checked, but for the trace
+workload's defaults). Failed requests are never good; goodput is good requests per second
+of the run.
 """
 
 from __future__ import annotations
@@ -48,9 +60,13 @@ if TYPE_CHECKING:
     from bench.serve.result import BenchResult
     from bench.serve.sessions import Session
     from bench.serve.workload import RequestSpec
+    from engine.tokenizer import Tokenizer
 
 SESSION_WORKLOADS = ("multi-turn", "shared-prefix", "long-document")
-WORKLOADS = ("fixed", "dist", "interference", *SESSION_WORKLOADS, "overload")
+WORKLOADS = ("fixed", "dist", "interference", *SESSION_WORKLOADS, "trace", "overload")
+# The trace workload's SLOs when none is given (docs/benchmarks.md, "Trace replay", says why).
+TRACE_SLO_TTFT_MS = 2000.0
+TRACE_SLO_ITL_MS = 200.0
 ARRIVALS = ("poisson", "rate", "concurrency")
 T = TypeVar("T")
 
@@ -99,7 +115,8 @@ FLAG_GROUPS: tuple[tuple[str, tuple[_Flag, ...]], ...] = (
     ("workload", (
         _flag("--workload", "fixed", "default: %(default)s", choices=WORKLOADS),
         _flag("--num-requests", 32, "fixed, dist (default: 32)"),
-        _flag("--seed", 0, "seeds lengths, filler words and Poisson gaps (nonces stay fresh)"),
+        _flag("--seed", 0, "seeds lengths, filler words, Poisson gaps and --trace-sample "
+              "(nonces stay fresh)"),
         _flag("--prompt-tokens", 256, "fixed: prompt length; dist lognormal: median "
               "(default: 256)"),
         _flag("--output-tokens", 128, "fixed: output length; dist lognormal: median; "
@@ -146,6 +163,21 @@ FLAG_GROUPS: tuple[tuple[str, tuple[_Flag, ...]], ...] = (
               metavar="MIN,MAX"),
         _flag("--user-tokens", 64, f"words of a user message {_D}"),
     )),
+    ("trace (Mooncake JSONL; python -m bench.serve.trace_gen writes one)", (
+        _flag("--trace", None, "the trace to replay (--workload trace)", type=Path,
+              metavar="FILE"),
+        _flag("--trace-token-divisor", 16, "divide input and output lengths and the 512-token "
+              "blocks by D, a divisor of 512; an output keeps at least 1 token (default: 16: "
+              "Mooncake's thousands of tokens become hundreds, blocks of 32)", metavar="D"),
+        _flag("--trace-time-scale", 1.0, "multiply the gaps between timestamps by S (above 1: "
+              f"slower than recorded) {_D}", metavar="S"),
+        _flag("--trace-sample", None, "keep N conversations (requests sharing their first hash "
+              "id) drawn with --seed, every request of each (default: all)", type=int,
+              metavar="N"),
+        _flag("--trace-max-requests", 1000, f"send at most the first N {_D}", metavar="N"),
+        _flag("--trace-duration-s", 600.0, "send only what is scheduled in the first S seconds "
+              f"{_D}", metavar="S"),
+    )),
     ("arrival (fixed, dist; conversations: --concurrency)", (
         _flag("--arrival", None, "poisson at --rate (default), fixed --rate, or closed loop at "
               "--concurrency", choices=ARRIVALS),
@@ -153,10 +185,10 @@ FLAG_GROUPS: tuple[tuple[str, tuple[_Flag, ...]], ...] = (
         _flag("--concurrency", 4, "in flight, or sessions at once (default: 4)"),
     )),
     ("SLOs and output", (
-        _flag("--slo-ttft-ms", None, "goodput: a good request's TTFT is at most this",
-              type=float),
+        _flag("--slo-ttft-ms", None, "goodput: a good request's TTFT is at most this (default: "
+              f"none; trace: {TRACE_SLO_TTFT_MS:g})", type=float),
         _flag("--slo-itl-ms", None, "goodput: every inter-token gap of a good request is at "
-              "most this", type=float),
+              f"most this (default: none; trace: {TRACE_SLO_ITL_MS:g})", type=float),
         _flag("--json", None, "write config, every request's record (all token times) and the "
               "summaries", type=Path, metavar="PATH"),
         _flag("--plot-dir", None, "write itl_over_time.png and latency_cdf.png here", type=Path,
@@ -181,6 +213,8 @@ def endpoint_from_args(args: argparse.Namespace) -> Endpoint:
         if args.endpoint == "completions":
             raise ValueError(f"{args.workload} sends chat messages: drop --endpoint completions")
         return "chat"
+    if args.workload == "trace" and args.endpoint == "chat":
+        raise ValueError("trace sends token-id prompts of exact lengths: drop --endpoint chat")
     return args.endpoint or "completions"
 
 
@@ -192,9 +226,9 @@ def ignore_eos_from_args(args: argparse.Namespace) -> bool:
 
 def arrival_from_args(args: argparse.Namespace) -> Arrival:
     """The arrival pattern the flags ask for; ``ValueError`` when they do not fit."""
-    if args.workload == "interference":
+    if args.workload in ("interference", "trace"):
         if args.arrival is not None:
-            raise ValueError("the interference workload follows its own schedule: drop --arrival")
+            raise ValueError(f"the {args.workload} workload has its own schedule: drop --arrival")
         return Schedule()
     if args.workload in SESSION_WORKLOADS:
         if args.arrival not in (None, "concurrency"):
@@ -213,6 +247,8 @@ def workload_from_args(args: argparse.Namespace) -> tuple[list[RequestSpec], dic
     from bench.serve import workload as wl
 
     tokenizer = wl.default_tokenizer(args.tokenizer)
+    if args.workload == "trace":
+        return _trace_workload(args, tokenizer)
     chat = endpoint_from_args(args) == "chat"
     common = {"seed": args.seed, "chat": chat}
     params: dict[str, Any]
@@ -261,6 +297,29 @@ def workload_from_args(args: argparse.Namespace) -> tuple[list[RequestSpec], dic
     return specs, _config(args, params)
 
 
+def _trace_workload(
+    args: argparse.Namespace, tokenizer: Tokenizer
+) -> tuple[list[RequestSpec], dict[str, Any]]:
+    """The requests of ``--trace``, fitted by the ``--trace-*`` flags, and their config (the
+    replay's stats under ``trace_stats``)."""
+    from bench.serve.report import trace_plan_line
+    from bench.serve.trace import read_trace
+    from bench.serve.trace_replay import ReplayOptions, build_trace
+
+    opts = ReplayOptions(
+        token_divisor=args.trace_token_divisor,
+        time_scale=args.trace_time_scale,
+        sample=args.trace_sample,
+        seed=args.seed,
+        max_requests=args.trace_max_requests,
+        duration_s=args.trace_duration_s,
+    )
+    specs, stats = build_trace(tokenizer, read_trace(args.trace), opts)
+    print(f"replaying {trace_plan_line(stats.to_dict())}", file=sys.stderr)
+    params = {"trace": str(args.trace), **vars(opts), "trace_stats": stats.to_dict()}
+    return specs, _config(args, params)
+
+
 def sessions_from_args(args: argparse.Namespace) -> tuple[list[Session], dict[str, Any]]:
     """The conversations of ``multi-turn`` / ``shared-prefix``, and their config."""
     from bench.serve import sessions as ss
@@ -304,7 +363,7 @@ def run_bench(args: argparse.Namespace) -> int:
     """
     if args.workload == "overload":
         return _run_overload(args)
-    slo = _slo_from_args(args)
+    slo = slo_from_args(args)
     result = _run_or_exit(args, lambda: _benchmark(args, slo))
     if isinstance(result, int):
         return result
@@ -327,12 +386,18 @@ def _run_or_exit(args: argparse.Namespace, build: Callable[[], Coroutine[Any, An
         return 1
 
 
-def _slo_from_args(args: argparse.Namespace) -> Slo | None:
+def slo_from_args(args: argparse.Namespace) -> Slo | None:
+    """The SLOs the flags ask for, the trace workload's where it is given none; ``None``
+    when nothing is checked."""
     from bench.serve.metrics import Slo
 
-    if args.slo_ttft_ms is None and args.slo_itl_ms is None:
+    ttft, itl = args.slo_ttft_ms, args.slo_itl_ms
+    if args.workload == "trace":
+        ttft = TRACE_SLO_TTFT_MS if ttft is None else ttft
+        itl = TRACE_SLO_ITL_MS if itl is None else itl
+    if ttft is None and itl is None:
         return None
-    return Slo(ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms)
+    return Slo(ttft_ms=ttft, itl_ms=itl)
 
 
 def _benchmark(args: argparse.Namespace, slo: Slo | None) -> Coroutine[Any, Any, BenchResult]:
@@ -340,6 +405,8 @@ def _benchmark(args: argparse.Namespace, slo: Slo | None) -> Coroutine[Any, Any,
     from bench.serve.runner import run_benchmark
     from bench.serve.session_runner import run_sessions
 
+    if (args.workload == "trace") != (args.trace is not None):
+        raise ValueError("--workload trace and --trace FILE go together")
     endpoint = endpoint_from_args(args)
     arrival = arrival_from_args(args)
     common = {
@@ -376,7 +443,7 @@ def _report(args: argparse.Namespace, result: BenchResult, slo: Slo | None) -> N
     """Print the summary (and prefix reuse, when the server reported it); write JSON, plots."""
     from bench._common import write_json
     from bench.serve.metrics import summarize_by_tag
-    from bench.serve.report import summary_table
+    from bench.serve.report import summary_table, trace_report
     from bench.serve.reuse import reuse_table, summarize_reuse_by_tag, worker_table
 
     summaries = summarize_by_tag(result, slo)
@@ -393,6 +460,8 @@ def _report(args: argparse.Namespace, result: BenchResult, slo: Slo | None) -> N
         + (dropped if cfg["dropped"] else "")
     )
     print(summary_table(summaries))
+    if args.workload == "trace":
+        print("\n" + trace_report(cfg["trace_stats"], summaries["all"], reuse["all"]))
     if reuse["all"].total.requests:  # the server reported cached tokens
         print("\nprefix reuse:")
         print(reuse_table(reuse))

@@ -53,6 +53,13 @@ def single_token_words(tokenizer: Tokenizer) -> tuple[int, ...]:
     return tuple(pool)
 
 
+def bos_prefix(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The tokens a prompt opens with before its words: bos where the tokenizer adds one
+    when it encodes text (as a server does), else none."""
+    bos = tokenizer.bos_token_id
+    return (bos,) if tokenizer.add_bos_token and bos is not None else ()
+
+
 class PromptFactory:
     """Builds exact-length prompts for one tokenizer.
 
@@ -75,10 +82,7 @@ class PromptFactory:
         self._words = single_token_words(tokenizer)
         self._filler = random.Random(seed)
         self._nonce = nonce_rng or random.SystemRandom()
-        bos = tokenizer.bos_token_id
-        self._prefix: tuple[int, ...] = (
-            (bos,) if tokenizer.add_bos_token and bos is not None else ()
-        )
+        self._prefix = bos_prefix(tokenizer)
         self._overhead = len(self._template([])) if chat else len(self._prefix)
 
     @property

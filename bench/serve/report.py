@@ -1,11 +1,14 @@
-"""The summary table printed at the end of a run (pure formatting)."""
+"""The summary table printed at the end of a run, and a trace replay's headline (pure
+formatting)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
-from bench._common import markdown_table
+from bench._common import markdown_table, percent_cell
 from bench.serve.metrics import Stats, Summary
+from bench.serve.reuse import ReuseSummary
 
 HEADER = (
     "tag",
@@ -55,3 +58,46 @@ def summary_table(summaries: Mapping[str, Summary]) -> str:
         for name, s in summaries.items()
     ]
     return markdown_table(HEADER, rows)
+
+
+def trace_plan_line(stats: Mapping[str, Any]) -> str:
+    """What a trace replay sends (``TraceStats.to_dict()``), in one line."""
+    s = stats
+    span = s["span_s"]
+    rate = f", {s['requests'] / span:.2f} req/s" if span > 0 else ""
+    return (
+        f"{s['requests']} requests of {s['groups']} conversations (by first hash id; the "
+        f"trace: {s['trace_requests']} of {s['trace_groups']}) over {span:.1f} s{rate}; "
+        f"{s['prompt_tokens']} prompt tokens (longest {s['max_prompt_tokens']}, blocks of "
+        f"{s['block_tokens']}), {s['output_tokens']} output tokens asked"
+    )
+
+
+def trace_report(stats: Mapping[str, Any], summary: Summary, reuse: ReuseSummary) -> str:
+    """A trace replay's headline: what it sent, the share of good requests under the SLO,
+    the largest inter-token gap, and the cached share of prompt tokens the server reported
+    beside the most a prefix cache could have skipped (``stats["reusable_share"]``)."""
+    lines = [f"trace: {trace_plan_line(stats)}"]
+    slo = summary.slo
+    if slo is not None and summary.num_good is not None and summary.good_fraction is not None:
+        bounds = []
+        if slo.ttft_ms is not None:
+            bounds.append(f"TTFT <= {slo.ttft_ms:g} ms")
+        if slo.itl_ms is not None:
+            bounds.append(f"every ITL <= {slo.itl_ms:g} ms")
+        good = percent_cell(summary.good_fraction)
+        lines.append(
+            f"good: {summary.num_good} of {summary.num_requests} ({good}) with "
+            f"{' and '.join(bounds)}"
+        )
+    lines.append(f"largest inter-token gap: {_ms(summary.itl_ms.max)} ms")
+    ceiling = percent_cell(stats["reusable_share"])
+    if reuse.total.requests:
+        cached = (
+            f"{percent_cell(reuse.total.hit_rate)} ({reuse.total.cached_tokens} of "
+            f"{reuse.total.prompt_tokens}, as the server reported)"
+        )
+    else:
+        cached = "not reported by the server"
+    lines.append(f"cached share of prompt tokens: {cached}; the trace allows at most {ceiling}")
+    return "\n".join(lines)

@@ -88,3 +88,30 @@ def test_a_multi_turn_run_through_the_real_stack(gateway_url: str, tmp_path: Pat
         grown = first["prompt_tokens"] + first["completion_tokens"] + 16
         assert second["prompt_tokens"] >= grown
     assert "prefix reuse:" in proc.stdout and "| later-turn | 2 |" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_trace_replay_through_the_real_stack(gateway_url: str, tmp_path: Path) -> None:
+    """A later turn whose hash ids extend an earlier turn's comes back with the shared
+    blocks cached; a request of its own shares nothing."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 1024, "output_length": 64, "hash_ids": [1, 2]}\n'
+        '{"timestamp": 2000, "input_length": 1536, "output_length": 64, "hash_ids": [1, 2, 3]}\n'
+        '{"timestamp": 2100, "input_length": 300, "output_length": 64, "hash_ids": [9]}\n'
+    )
+    out = tmp_path / "trace.json"
+    cmd = [
+        sys.executable, "-m", "pdserve.cli", "bench", "--base-url", gateway_url,
+        "--workload", "trace", "--trace", str(trace), "--timeout-s", "120",
+        "--json", str(out), "--no-progress",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = json.loads(out.read_text())["records"]
+    assert [r["error"] for r in records] == [None] * 3, records
+    assert [r["prompt_tokens"] for r in records] == [64, 96, 19]  # lengths / 16
+    assert [r["completion_tokens"] for r in records] == [4, 4, 4]
+    _, later, alone = records
+    assert 0 < later["cached_tokens"] <= 64 and alone["cached_tokens"] == 0, records
+    assert "cached share of prompt tokens: " in proc.stdout
