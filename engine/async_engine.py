@@ -56,6 +56,8 @@ class EngineStats:
     total_blocks: int
     num_preemptions: int
     queued_prefill_tokens: int
+    target_batch: int = 0  # the running batch's cap now (``LLMEngine.batch_cap``)
+    itl_target_s: float = 0.0  # the ITL target it keeps to (0: none, throughput mode)
 
     @property
     def kv_usage(self) -> float:
@@ -140,6 +142,12 @@ class AsyncEngine:
         return len(self._streams) + len(self._prefills)
 
     # -- calls (coroutines) -------------------------------------------------------------
+    async def calibrate(self) -> None:
+        """Time the engine's decode steps on its thread (``LLMEngine.calibrate``): call
+        once started, before serving."""
+        await self.call(self.engine.calibrate)
+        self._stats = await self.call(self._snapshot)
+
     def submit(self, fn: Callable[[], Any]) -> Future[Any]:
         """Queue ``fn`` for the engine thread now (commands run in order); its result later."""
         fut: Future[Any] = Future()
@@ -469,4 +477,6 @@ class AsyncEngine:
                 eng.prefill_pending(j.prompt.request_id) for j in self._prefills
             )
             + sum(seq.pending for seq in sched.waiting),
+            target_batch=eng.batch_cap,
+            itl_target_s=eng.itl_target_s,
         )
