@@ -270,19 +270,10 @@ class LLMEngine:
         if self.has_unfinished() or self._held:
             raise RuntimeError("calibrate needs an idle engine")
         samples = time_decode_steps(self.runner, self.blocks, self.config.max_num_seqs)
-        budget = StepBudget.calibrated(
+        self.step_budget = StepBudget.calibrated(
             samples, max_num_seqs=self.config.max_num_seqs, target_s=self._configured_target_s()
         )
-        self.step_budget = budget
-        model = budget.model
-        log.info(
-            "step_budget_calibrated",
-            quiet_step_ms=round((budget.quiet_step_s or 0) * 1000, 2),
-            per_seq_ms=round(model.per_seq_s * 1000, 3) if model else None,
-            itl_target_ms=round(self.itl_target_s * 1000, 2),
-            batch_cap=budget.cap,
-        )
-        return budget
+        return self.step_budget
 
     @classmethod
     def from_path(cls, model: str | Path | None = None, **kwargs: object) -> LLMEngine:
