@@ -8,6 +8,16 @@ the slot over). Refusals are errors the edges already map: ``Overloaded`` and
 RESOURCE_EXHAUSTED with ``retry-after-ms``), and ``BackendUnavailableError`` while draining
 (503 / UNAVAILABLE; queued requests get it too).
 
+The cap follows the fleet unless it was given (``follow_fleet``): every placement tells the
+fleet's target batch (what the decode workers run at once within their ITL targets, summed:
+``services/scheduler/policy.py``), and ``follow`` makes it the cap, so the fleet fills every
+decode worker to its target and the excess waits here, first come first served, for at
+most ``queue_timeout_s``, or is refused at once when the queue is full, instead of being
+placed on a full worker and refused there. Until the first placement the cap is the
+configured start. A larger cap hands its new slots to the longest waiters at once; a
+smaller one takes effect as slots are released (nothing running is cut). The queue's bound
+follows the cap when it was not given either.
+
 ``decide`` and ``take_token`` are the policy (pure); ``Admission`` owns the state (slots, the
 queue, the buckets) and is touched only from the event loop, so it needs no lock.
 """
@@ -15,6 +25,7 @@ queue, the buckets) and is touched only from the event loop, so it needs no lock
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import math
 import time
@@ -48,22 +59,25 @@ class RateLimited(ResourceExhaustedError):
 
 @dataclass(frozen=True)
 class AdmissionLimits:
-    """``max_concurrent``: generations at once. ``max_queued``: requests that may wait for a
-    slot, each at most ``queue_timeout_s``. ``rate_per_key``: requests a second each key may
-    start, with bursts of ``burst`` (0: no rate limit). ``retry_after_s``: the back-off a
-    refusal suggests when nothing better is known."""
+    """``max_concurrent``: generations at once (the start, with ``follow_fleet``: then the
+    fleet's target batch). ``max_queued``: requests that may wait for a slot, each at most
+    ``queue_timeout_s`` (None: as many as ``max_concurrent``, whatever it is now).
+    ``rate_per_key``: requests a second each key may start, with bursts of ``burst`` (0: no
+    rate limit). ``retry_after_s``: the back-off a refusal suggests when nothing better is
+    known."""
 
     max_concurrent: int
-    max_queued: int = 0
+    max_queued: int | None = 0
     queue_timeout_s: float = 10.0
     rate_per_key: float = 0.0
     burst: int = 1
     retry_after_s: float = 1.0
+    follow_fleet: bool = False
 
     def __post_init__(self) -> None:
         if self.max_concurrent < 1:
             raise ValueError(f"max_concurrent={self.max_concurrent} must be >= 1")
-        if self.max_queued < 0:
+        if self.max_queued is not None and self.max_queued < 0:
             raise ValueError(f"max_queued={self.max_queued} must be >= 0")
         if not self.queue_timeout_s > 0:
             raise ValueError(f"queue_timeout_s={self.queue_timeout_s} must be > 0")
@@ -71,6 +85,11 @@ class AdmissionLimits:
             raise ValueError(f"rate_per_key={self.rate_per_key} must be >= 0")
         if self.burst < 1:
             raise ValueError(f"burst={self.burst} must be >= 1")
+
+    @property
+    def queue_bound(self) -> int:
+        """``max_queued``, its default resolved."""
+        return self.max_concurrent if self.max_queued is None else self.max_queued
 
 
 class Decision(enum.Enum):
@@ -84,7 +103,7 @@ def decide(limits: AdmissionLimits, in_flight: int, queued: int) -> Decision:
     room, else refuse."""
     if in_flight < limits.max_concurrent and queued == 0:
         return Decision.ADMIT
-    if queued < limits.max_queued:
+    if queued < limits.queue_bound:
         return Decision.QUEUE
     return Decision.REFUSE
 
@@ -143,6 +162,16 @@ class Admission:
         """Requests waiting for a slot."""
         return sum(1 for w in self._waiters if not w.done())
 
+    def follow(self, fleet_target_batch: int) -> None:
+        """Take the fleet's target batch as the cap, when this admission follows the fleet
+        (``AdmissionLimits.follow_fleet``) and it is known (> 0); module docstring."""
+        limits = self.limits
+        if not limits.follow_fleet or fleet_target_batch < 1:
+            return
+        if fleet_target_batch != limits.max_concurrent:
+            self.limits = dataclasses.replace(limits, max_concurrent=fleet_target_batch)
+            self._hand_over()
+
     def start_draining(self) -> None:
         """Refuse everything from now on; requests waiting in the queue are refused too."""
         self._draining = True
@@ -193,7 +222,7 @@ class Admission:
         if decision is Decision.REFUSE:
             raise Overloaded(
                 f"the server is at its limit of {limits.max_concurrent} concurrent requests "
-                f"and {limits.max_queued} waiting; retry later",
+                f"and {limits.queue_bound} waiting; retry later",
                 limits.retry_after_s,
             )
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -215,12 +244,16 @@ class Admission:
             raise
 
     def _release(self) -> None:
-        while self._waiters:
+        self._in_flight -= 1
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Give free slots to the longest waiters (a waiter counts as in flight once woken)."""
+        while self._waiters and self._in_flight < self.limits.max_concurrent:
             waiter = self._waiters.popleft()
             if not waiter.done():
-                waiter.set_result(None)  # the slot passes to the longest waiter
-                return
-        self._in_flight -= 1
+                self._in_flight += 1
+                waiter.set_result(None)
 
     def _check_rate(self, key: str) -> None:
         rate = self.limits.rate_per_key
