@@ -11,10 +11,10 @@ Every step has a token budget (``max_num_batched_tokens``) and a cap on the runn
 (``schedule(max_running)``: the engine's, from its ITL target; at most ``max_num_seqs``).
 Running requests are served first (oldest first), then waiting ones in arrival order, while
 the batch is below the cap; a cap below the running batch admits nothing and preempts
-nothing. Without chunked prefill a prompt
-is computed in one step; with it, a prompt takes at most the budget left in each step, so
-decode steps stay short while a long prompt is being prefilled. The scheduler owns the
-sequences and the block manager; it touches no tensors.
+nothing. Without chunked prefill a prompt is computed in one step; with it, a prompt takes
+at most the budget left in each step, so decode steps stay short while a long prompt is
+being prefilled. The scheduler owns the sequences and the block manager; it touches no
+tensors.
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ batch takes now: the largest batch whose decode step it predicts within its ITL 
 (``engine/step_budget.py``), at most its ``max_num_seqs`` (which it is, without a target).
 Its sequence slots (rule 5) are that batch target plus ``max_waiting_per_worker``: the
 allowance covers the heartbeat's lag (a finished request stays counted until the next
-one), and the worker checks exactly: a decode worker refuses a reservation beyond its
-target (RESOURCE_EXHAUSTED), a colocated one queues the request until its batch has room.
+one), and the worker checks exactly: it refuses a reservation for a remote prefill
+beyond its target (RESOURCE_EXHAUSTED), and queues a prompt it prefills itself until its
+batch has room.
 ``fleet_target_batch``: the batch targets of the live, serving decode-capable workers of
 the model, summed (excluded workers too: they are the fleet still), sent with every
 placement; a gateway sizes its concurrency by it, so the excess waits in its queue rather
