@@ -112,7 +112,7 @@ async def serve(cfg: GatewayConfig) -> None:
         api_keys=cfg.api_keys,
         admission=AdmissionLimits(
             max_concurrent=cfg.concurrency,
-            max_queued=cfg.max_queued_requests,  # None: as many as max_concurrent
+            max_queued=cfg.queue_size,
             queue_timeout_s=cfg.queue_timeout_s,
             rate_per_key=cfg.rate_limit_rps,
             burst=cfg.rate_limit_burst,

@@ -16,7 +16,8 @@ most ``queue_timeout_s``, or is refused at once when the queue is full, instead 
 placed on a full worker and refused there. Until the first placement the cap is the
 configured start. A larger cap hands its new slots to the longest waiters at once; a
 smaller one takes effect as slots are released (nothing running is cut). The queue's bound
-follows the cap when it was not given either.
+stays as configured: a burst larger than the fleet's batches waits for their slots (within
+its deadline) rather than being refused.
 
 ``decide`` and ``take_token`` are the policy (pure); ``Admission`` owns the state (slots, the
 queue, the buckets) and is touched only from the event loop, so it needs no lock.
@@ -61,13 +62,12 @@ class RateLimited(ResourceExhaustedError):
 class AdmissionLimits:
     """``max_concurrent``: generations at once (the start, with ``follow_fleet``: then the
     fleet's target batch). ``max_queued``: requests that may wait for a slot, each at most
-    ``queue_timeout_s`` (None: as many as ``max_concurrent``, whatever it is now).
-    ``rate_per_key``: requests a second each key may start, with bursts of ``burst`` (0: no
-    rate limit). ``retry_after_s``: the back-off a refusal suggests when nothing better is
-    known."""
+    ``queue_timeout_s``. ``rate_per_key``: requests a second each key may start, with
+    bursts of ``burst`` (0: no rate limit). ``retry_after_s``: the back-off a refusal
+    suggests when nothing better is known."""
 
     max_concurrent: int
-    max_queued: int | None = 0
+    max_queued: int = 0
     queue_timeout_s: float = 10.0
     rate_per_key: float = 0.0
     burst: int = 1
@@ -77,7 +77,7 @@ class AdmissionLimits:
     def __post_init__(self) -> None:
         if self.max_concurrent < 1:
             raise ValueError(f"max_concurrent={self.max_concurrent} must be >= 1")
-        if self.max_queued is not None and self.max_queued < 0:
+        if self.max_queued < 0:
             raise ValueError(f"max_queued={self.max_queued} must be >= 0")
         if not self.queue_timeout_s > 0:
             raise ValueError(f"queue_timeout_s={self.queue_timeout_s} must be > 0")
@@ -85,11 +85,6 @@ class AdmissionLimits:
             raise ValueError(f"rate_per_key={self.rate_per_key} must be >= 0")
         if self.burst < 1:
             raise ValueError(f"burst={self.burst} must be >= 1")
-
-    @property
-    def queue_bound(self) -> int:
-        """``max_queued``, its default resolved."""
-        return self.max_concurrent if self.max_queued is None else self.max_queued
 
 
 class Decision(enum.Enum):
@@ -103,7 +98,7 @@ def decide(limits: AdmissionLimits, in_flight: int, queued: int) -> Decision:
     room, else refuse."""
     if in_flight < limits.max_concurrent and queued == 0:
         return Decision.ADMIT
-    if queued < limits.queue_bound:
+    if queued < limits.max_queued:
         return Decision.QUEUE
     return Decision.REFUSE
 
@@ -222,7 +217,7 @@ class Admission:
         if decision is Decision.REFUSE:
             raise Overloaded(
                 f"the server is at its limit of {limits.max_concurrent} concurrent requests "
-                f"and {limits.queue_bound} waiting; retry later",
+                f"and {limits.max_queued} waiting; retry later",
                 limits.retry_after_s,
             )
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -55,7 +55,8 @@ class GatewayConfig:
         None,
         "requests that may wait for a slot (first come, first served); one more gets 429 "
         "with Retry-After / RESOURCE_EXHAUSTED at once (default: as many as "
-        "--max-concurrent-requests, following it; 0: no queue)",
+        "--max-concurrent-requests, or without it --max-num-seqs: a burst of a full batch "
+        "waits for the fleet's slots; 0: no queue)",
         metavar="N",
     )
     queue_timeout_s: float = setting(
@@ -178,7 +179,7 @@ class GatewayConfig:
 
     @property
     def queue_size(self) -> int:
-        """``max_queued_requests``, its default (at the start) resolved."""
+        """``max_queued_requests``, its default resolved (it does not follow the fleet)."""
         queued = self.max_queued_requests
         return self.concurrency if queued is None else queued
 

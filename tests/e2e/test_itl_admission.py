@@ -3,9 +3,9 @@ decode worker and the gateway as real processes (``pdserve up``'s launcher), the
 
 The decode worker's target (``--itl-target-ms 1``) is below any decode step, so its batch
 target is 1: it runs one sequence at a time. The scheduler tells the gateway so with every
-placement, the gateway's cap and queue become 1, and more concurrent streams than that are
-all served: one runs, one waits in the gateway's queue, the rest get 429 with Retry-After
-and come back; none fails, and the worker's batch never holds two.
+placement, the gateway's cap becomes 1 (its queue is 2 here), and more concurrent streams
+than that are all served: one runs, two wait in the gateway's queue, the rest get 429 with
+Retry-After and come back; none fails, and the worker's batch never holds two.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def stack(tmp_path_factory):
          "--kv-store-segment-mib", "0", "--local-prefill-max-tokens", "0",
          "--http-port", str(free_port()), "--grpc-port", "0"], {}
     )  # fmt: skip
-    st = Stack(log_dir=tmp_path_factory.mktemp("itl-admission"))
+    env = {"PDSERVE_GATEWAY_MAX_QUEUED_REQUESTS": "2"}
+    st = Stack(log_dir=tmp_path_factory.mktemp("itl-admission"), env=env)
     try:
         yield launch(args, st)
     finally:
@@ -86,8 +87,8 @@ async def test_streams_beyond_the_batch_target_wait_or_come_back_and_all_are_ser
             asyncio.gather(*(_stream(http, url, model) for _ in range(STREAMS))), 60
         )
     assert [text for text, _ in results] == [alone] * STREAMS  # greedy: the same answer
-    # 1 runs, 1 waits in the gateway's queue, the rest came back after a 429
-    assert sum(refused for _, refused in results) >= STREAMS - 2
+    # 1 runs, 2 wait in the gateway's queue, the rest came back after a 429
+    assert sum(refused for _, refused in results) >= STREAMS - 3
     assert metric(gateway, "pdserve:requests_refused_total", 'reason="overloaded"') >= 1
     # the worker never ran two sequences in one step, and refused no reservation: the
     # excess waited at the gateway, not on the worker

@@ -94,8 +94,8 @@ def _refused_count(service: GatewayService, reason: str) -> float:
 
 async def test_the_cap_follows_the_engine_s_batch_target(gw, http) -> None:
     """The local backend tells admission its engine's batch target at every request, as a
-    placement tells the fleet's; the cap and its queue follow it (and the gauge shows it)."""
-    service = _service(gw, AdmissionLimits(16, max_queued=None, follow_fleet=True))
+    placement tells the fleet's; the cap follows it (and the gauge shows it)."""
+    service = _service(gw, AdmissionLimits(16, max_queued=4, follow_fleet=True))
     engine, budget = gw.backend.engine, gw.engine.step_budget
     three = StepBudget.calibrated([(1, 0.01), (8, 0.08)], max_num_seqs=16, target_s=0.03)
     await engine.call(lambda: setattr(gw.engine, "step_budget", three))
@@ -106,7 +106,7 @@ async def test_the_cap_follows_the_engine_s_batch_target(gw, http) -> None:
             status, _, _ = await _post(http, base + "/v1/completions", SHORT)
             assert status == 200
             assert service.admission.limits.max_concurrent == 3
-            assert service.admission.limits.queue_bound == 3
+            assert service.admission.limits.max_queued == 4  # the queue keeps its bound
             text = service.metrics.render().decode()
             assert "pdserve:max_concurrent_requests 3.0" in text
     finally:

@@ -63,7 +63,8 @@ def test_bad_values_exit_with_usage_error(argv, env, needle, capsys) -> None:
 
 def test_admission_defaults_follow_the_workers_batch() -> None:
     cfg = load_config([], {})
-    # --max-num-seqs' default to start with, then the fleet's target batch (admission)
+    # --max-num-seqs' default to start with, then the fleet's target batch (admission); the
+    # queue keeps its bound
     assert (cfg.concurrency, cfg.queue_size, cfg.follows_fleet) == (64, 64, True)
     cfg = load_config(["--max-num-seqs", "16"], {})
     assert (cfg.concurrency, cfg.queue_size, cfg.follows_fleet) == (16, 16, True)
