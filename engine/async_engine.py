@@ -36,6 +36,7 @@ from engine.errors import InvalidRequestError
 from engine.llm_engine import AdmittedPrompt, LLMEngine, PrefillOutput, Reservation
 from engine.output_processor import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.step_budget import StepBudget
 from engine.threads import core_set, name_current_thread, pin_current_thread
 from engine.top_logprobs import TopLogprobs
 
@@ -56,6 +57,8 @@ class EngineStats:
     total_blocks: int
     num_preemptions: int
     queued_prefill_tokens: int
+    target_batch: int = 0  # the running batch's cap now (``LLMEngine.batch_cap``)
+    itl_target_s: float = 0.0  # the ITL target it keeps to (0: none, throughput mode)
 
     @property
     def kv_usage(self) -> float:
@@ -140,6 +143,21 @@ class AsyncEngine:
         return len(self._streams) + len(self._prefills)
 
     # -- calls (coroutines) -------------------------------------------------------------
+    async def calibrate(self) -> StepBudget:
+        """Time the engine's decode steps on its thread (``LLMEngine.calibrate``) and log
+        the budget: call once started, before serving."""
+        budget: StepBudget = await self.call(self.engine.calibrate)
+        self._stats = await self.call(self._snapshot)
+        model = budget.model
+        log.info(
+            "step_budget",
+            quiet_step_ms=None if budget.quiet_step_s is None else budget.quiet_step_s * 1000,
+            per_seq_ms=None if model is None else model.per_seq_s * 1000,
+            itl_target_ms=(budget.target_s or 0.0) * 1000,
+            target_batch=budget.cap,
+        )
+        return budget
+
     def submit(self, fn: Callable[[], Any]) -> Future[Any]:
         """Queue ``fn`` for the engine thread now (commands run in order); its result later."""
         fut: Future[Any] = Future()
@@ -469,4 +487,6 @@ class AsyncEngine:
                 eng.prefill_pending(j.prompt.request_id) for j in self._prefills
             )
             + sum(seq.pending for seq in sched.waiting),
+            target_batch=eng.batch_cap,
+            itl_target_s=eng.itl_target_s,
         )

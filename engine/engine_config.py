@@ -89,6 +89,15 @@ class EngineConfig:
     )
     max_model_len: int | None = _setting(None, "context length (default: the checkpoint's)")
     max_num_seqs: int = _setting(64, "most sequences in the running batch")
+    itl_target_ms: float | None = _setting(
+        None,
+        "a decode (or colocated) engine admits another sequence into its running batch only "
+        "while the decode step it predicts for the larger batch fits this target (a line in "
+        "the batch size, fitted to steps timed before READY and to the steps it serves; at "
+        "least one sequence runs) (default: 3x its batch-1 decode step, timed at start; 0: "
+        "no target, the batch fills to --max-num-seqs and the KV blocks: throughput mode)",
+        metavar="MS",
+    )
     chunked_prefill: int = _setting(
         0,
         "split prompts into chunks of this many tokens, the most one step computes (0: off)",
@@ -142,6 +151,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.itl_target_ms is not None and not self.itl_target_ms >= 0:
+            raise ValueError(f"itl_target_ms must be >= 0 (0: no target), got {self.itl_target_ms}")
         if isinstance(self.chunked_prefill, bool) or self.chunked_prefill < 0:
             raise ValueError(
                 "chunked_prefill is the tokens of a chunk, >= 0 (0: off), got "

@@ -3,6 +3,11 @@
 This is the monolithic baseline every benchmark compares against, and the core the decode
 and prefill workers build on. The loop is ``step()``: schedule -> forward -> sample ->
 postprocess; callers add and abort requests between steps (one thread drives it).
+
+The running batch (running sequences plus a decode worker's reservations) is capped by the
+engine's ``StepBudget`` (``engine/step_budget.py``): the largest batch whose decode step
+fits the ITL target (``EngineConfig.itl_target_ms``). ``calibrate`` times a few steps before
+serving; every pure decode step ``step()`` runs refreshes the model.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from engine.sampler import skip_draws
 from engine.sampling_params import SamplingParams
 from engine.scheduler import BatchLimits, ScheduledSeq, Scheduler
 from engine.sequence import FinishReason, Sequence
+from engine.step_budget import StepBudget
+from engine.step_calibration import time_decode_steps
 from engine.tokenizer import Tokenizer
 from engine.top_logprobs import TopLogprobs
 from kernels.quant_linear import QuantizedWeight
@@ -157,6 +164,8 @@ class LLMEngine:
         self.grammars = Grammars(self.tokenizer, ckpt.config.vocab_size)
         self._ids = itertools.count()
         self.num_preemptions = 0
+        # Until ``calibrate``, an automatic target is not known: the cap is max_num_seqs.
+        self.step_budget = StepBudget(config.max_num_seqs, self._configured_target_s())
         # Sequences outside the scheduler: admitted prompts awaiting release, and decode
         # reservations awaiting their KV. Their blocks are allocated.
         self._held: dict[str, Sequence] = {}
@@ -234,6 +243,38 @@ class LLMEngine:
             ),
             chunked_prefill=config.chunked_prefill > 0,
         )
+
+    def _configured_target_s(self) -> float | None:
+        """The ITL target the config sets (None: none, or the automatic one)."""
+        ms = self.config.itl_target_ms
+        return ms / 1000 if ms else None
+
+    # -- the running batch's cap -------------------------------------------------------
+    @property
+    def batch_cap(self) -> int:
+        """Sequences the running batch (reservations included) may hold now."""
+        return self.step_budget.cap
+
+    @property
+    def itl_target_s(self) -> float:
+        """The ITL target the cap keeps to, in seconds; 0: none (throughput mode)."""
+        return self.step_budget.target_s or 0.0
+
+    def calibrate(self) -> StepBudget:
+        """Time decode steps at batch 1 and a larger batch on dummy sequences
+        (``engine/step_calibration.py``: under a second, every block given back) and start
+        the step-time model from them; the automatic ITL target becomes a multiple of the
+        batch-1 step. A no-op in throughput mode (``itl_target_ms`` 0). Needs an idle
+        engine (``RuntimeError``); returns the budget."""
+        if self.config.itl_target_ms == 0:
+            return self.step_budget
+        if self.has_unfinished() or self._held:
+            raise RuntimeError("calibrate needs an idle engine")
+        samples = time_decode_steps(self.runner, self.blocks, self.config.max_num_seqs)
+        self.step_budget = StepBudget.calibrated(
+            samples, max_num_seqs=self.config.max_num_seqs, target_s=self._configured_target_s()
+        )
+        return self.step_budget
 
     @classmethod
     def from_path(cls, model: str | Path | None = None, **kwargs: object) -> LLMEngine:
@@ -499,14 +540,15 @@ class LLMEngine:
         longest cached full-block prefix (never its last token). The blocks stay held until
         ``add_prefilled`` or ``release`` (also under a ``fence`` key).
         Raises InvalidRequestError, CapacityError, or ResourceExhaustedError when the batch
-        or the pool is full now; nothing stays held then."""
+        (``batch_cap``: its ITL target's, at most max_num_seqs) or the pool is full now;
+        nothing stays held then."""
         ids = self._validate(
             request_id, list(prompt_ids), params, generates_here=True, resumed=resumed
         )
-        if len(self.scheduler.running) + len(self._held) >= self.config.max_num_seqs:
-            raise ResourceExhaustedError(
-                f"decode batch is full ({self.config.max_num_seqs} sequences)"
-            )
+        cap = self.batch_cap
+        if len(self.scheduler.running) + len(self._held) >= cap:
+            why = "its ITL target's" if cap < self.config.max_num_seqs else "max_num_seqs"
+            raise ResourceExhaustedError(f"decode batch is full ({cap} sequences: {why})")
         seq = self._sequence(request_id, ids, params, resumed)
         self._claim_blocks(seq)
         self._held[request_id] = seq
@@ -570,7 +612,9 @@ class LLMEngine:
 
     # -- the loop --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        step = self.scheduler.schedule()
+        t0 = time.perf_counter()
+        # Reservations are sequences about to join: they count against the cap.
+        step = self.scheduler.schedule(max(0, self.batch_cap - len(self._held)))
         self.num_preemptions += len(step.preempted)
         if not step.scheduled:
             return []
@@ -578,10 +622,15 @@ class LLMEngine:
         for it in step.scheduled:
             if it.seq.first_scheduled_time is None:
                 it.seq.first_scheduled_time = now
+        decode_only = all(it.num_tokens == 1 for it in step.scheduled)
         sampled = self.runner.execute(step.scheduled)
         for it in step.scheduled:
             self.scheduler.advance(it)
-        return [self._emit(s.item.seq, s.token_id, s.logprob, s.top) for s in sampled]
+        outs = [self._emit(s.item.seq, s.token_id, s.logprob, s.top) for s in sampled]
+        if decode_only:  # a step computing a prompt says nothing of a decode step's time
+            seconds = time.perf_counter() - t0
+            self.step_budget = self.step_budget.observed(len(step.scheduled), seconds)
+        return outs
 
     def _emit(
         self, seq: Sequence, token_id: int, logprob: float, top: TopLogprobs | None = None

@@ -7,11 +7,14 @@ Request lifecycle (each stage is a queue):
   running  --KV pool full: the newest running request is preempted-->  waiting (front),
            its blocks freed; it is recomputed (prompt + tokens so far) when readmitted.
 
-Every step has a token budget (``max_num_batched_tokens``). Running requests are served
-first (oldest first), then waiting ones in arrival order. Without chunked prefill a prompt
-is computed in one step; with it, a prompt takes at most the budget left in each step, so
-decode steps stay short while a long prompt is being prefilled. The scheduler owns the
-sequences and the block manager; it touches no tensors.
+Every step has a token budget (``max_num_batched_tokens``) and a cap on the running batch
+(``schedule(max_running)``: the engine's, from its ITL target; at most ``max_num_seqs``).
+Running requests are served first (oldest first), then waiting ones in arrival order, while
+the batch is below the cap; a cap below the running batch admits nothing and preempts
+nothing. Without chunked prefill a prompt is computed in one step; with it, a prompt takes
+at most the budget left in each step, so decode steps stay short while a long prompt is
+being prefilled. The scheduler owns the sequences and the block manager; it touches no
+tensors.
 """
 
 from __future__ import annotations
@@ -102,7 +105,9 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     # -- the step --------------------------------------------------------------------
-    def schedule(self) -> SchedulerStep:
+    def schedule(self, max_running: int | None = None) -> SchedulerStep:
+        """The next step: the running sequences' tokens, then waiting ones admitted while
+        fewer than ``max_running`` (default: ``max_num_seqs``) run."""
         budget = self.limits.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
@@ -120,7 +125,8 @@ class Scheduler:
             i += 1
 
         if not preempted:
-            self._admit(scheduled, budget)
+            cap = self.limits.max_num_seqs if max_running is None else max_running
+            self._admit(scheduled, budget, min(cap, self.limits.max_num_seqs))
         return SchedulerStep(tuple(scheduled), tuple(preempted))
 
     def _grow(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
@@ -136,9 +142,9 @@ class Scheduler:
             seq.block_table.extend(self.blocks.allocate(need))
         return True
 
-    def _admit(self, scheduled: list[ScheduledSeq], budget: int) -> None:
+    def _admit(self, scheduled: list[ScheduledSeq], budget: int, max_running: int) -> None:
         limits = self.limits
-        while self.waiting and budget > 0 and len(self.running) < limits.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < max_running:
             seq = self.waiting[0]
             hit_blocks: list[int] = []
             if seq.num_computed == 0 and not seq.block_table:

@@ -25,37 +25,37 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/v1/scheduler.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xbf\x01\n\x0cPlaceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\x1a\n\x12\x65xclude_worker_ids\x18\x04 \x03(\t\x12\x15\n\rprompt_tokens\x18\n \x01(\r\x12\x12\n\nmax_tokens\x18\x0b \x01(\r\x12\x1b\n\x13prompt_block_hashes\x18\x0c \x03(\x06\x12\x17\n\x0fhash_block_size\x18\r \x01(\r\"\xcb\x01\n\tPlacement\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x07prefill\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12&\n\x06\x64\x65\x63ode\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\x1e\n\x16\x65xpected_cached_tokens\x18\x04 \x01(\r\x12\x17\n\x0fplacement_token\x18\x05 \x01(\t\x12 \n\x18local_prefill_max_tokens\x18\x06 \x01(\r\"?\n\x15RegisterWorkerRequest\x12&\n\x06worker\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\"h\n\x13RegisterWorkerReply\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\x12\x1c\n\x14placement_verify_key\x18\x03 \x01(\x0c\"\x91\x01\n\x0cLoadSnapshot\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x03 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x05 \x01(\x04\"\xa8\x02\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.pdserve.v1.WorkerState\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12&\n\x04load\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.LoadSnapshot\x12!\n\x19\x63\x61\x63hed_block_hashes_added\x18\n \x03(\x06\x12#\n\x1b\x63\x61\x63hed_block_hashes_removed\x18\x0b \x03(\x06\x12\x16\n\x0e\x63\x61\x63he_snapshot\x18\x0c \x01(\x08\x12\x1b\n\x13stored_block_hashes\x18\r \x03(\x06\x12\"\n\x1astore_missing_block_hashes\x18\x0e \x03(\x06\"c\n\x0eHeartbeatReply\x12\x14\n\x0cresync_cache\x18\x01 \x01(\x08\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\x12\x1c\n\x14placement_verify_key\x18\x03 \x01(\x0c\",\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x17\n\x15\x44\x65registerWorkerReply\"\xe7\x02\n\x07Outcome\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x19\n\x11prefill_worker_id\x18\x03 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x04 \x01(\t\x12/\n\rfinish_reason\x18\n \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x12\n\nerror_code\x18\x0b \x01(\x05\x12\x15\n\rerror_message\x18\x0c \x01(\t\x12 \n\x05usage\x18\x14 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x17\n\x0f\x61rrival_unix_ns\x18\x15 \x01(\x03\x12\x1b\n\x13\x66irst_token_unix_ns\x18\x16 \x01(\x03\x12\x16\n\x0e\x66inish_unix_ns\x18\x17 \x01(\x03\x12\x19\n\x11kv_transfer_bytes\x18\x18 \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\x19 \x01(\x01\"\x14\n\x12ReportOutcomeReply*`\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14WORKER_STATE_SERVING\x10\x01\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x02\x32\x84\x03\n\tScheduler\x12\x38\n\x05Place\x12\x18.pdserve.v1.PlaceRequest\x1a\x15.pdserve.v1.Placement\x12T\n\x0eRegisterWorker\x12!.pdserve.v1.RegisterWorkerRequest\x1a\x1f.pdserve.v1.RegisterWorkerReply\x12\x45\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1a.pdserve.v1.HeartbeatReply\x12Z\n\x10\x44\x65registerWorker\x12#.pdserve.v1.DeregisterWorkerRequest\x1a!.pdserve.v1.DeregisterWorkerReply\x12\x44\n\rReportOutcome\x12\x13.pdserve.v1.Outcome\x1a\x1e.pdserve.v1.ReportOutcomeReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/v1/scheduler.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xbf\x01\n\x0cPlaceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\x1a\n\x12\x65xclude_worker_ids\x18\x04 \x03(\t\x12\x15\n\rprompt_tokens\x18\n \x01(\r\x12\x12\n\nmax_tokens\x18\x0b \x01(\r\x12\x1b\n\x13prompt_block_hashes\x18\x0c \x03(\x06\x12\x17\n\x0fhash_block_size\x18\r \x01(\r\"\xe7\x01\n\tPlacement\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x07prefill\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12&\n\x06\x64\x65\x63ode\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\x1e\n\x16\x65xpected_cached_tokens\x18\x04 \x01(\r\x12\x17\n\x0fplacement_token\x18\x05 \x01(\t\x12 \n\x18local_prefill_max_tokens\x18\x06 \x01(\r\x12\x1a\n\x12\x66leet_target_batch\x18\x07 \x01(\r\"?\n\x15RegisterWorkerRequest\x12&\n\x06worker\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\"h\n\x13RegisterWorkerReply\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\x12\x1c\n\x14placement_verify_key\x18\x03 \x01(\x0c\"\xa7\x01\n\x0cLoadSnapshot\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x03 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x05 \x01(\x04\x12\x14\n\x0ctarget_batch\x18\x06 \x01(\r\"\xa8\x02\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.pdserve.v1.WorkerState\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12&\n\x04load\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.LoadSnapshot\x12!\n\x19\x63\x61\x63hed_block_hashes_added\x18\n \x03(\x06\x12#\n\x1b\x63\x61\x63hed_block_hashes_removed\x18\x0b \x03(\x06\x12\x16\n\x0e\x63\x61\x63he_snapshot\x18\x0c \x01(\x08\x12\x1b\n\x13stored_block_hashes\x18\r \x03(\x06\x12\"\n\x1astore_missing_block_hashes\x18\x0e \x03(\x06\"c\n\x0eHeartbeatReply\x12\x14\n\x0cresync_cache\x18\x01 \x01(\x08\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\x12\x1c\n\x14placement_verify_key\x18\x03 \x01(\x0c\",\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x17\n\x15\x44\x65registerWorkerReply\"\xe7\x02\n\x07Outcome\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x19\n\x11prefill_worker_id\x18\x03 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x04 \x01(\t\x12/\n\rfinish_reason\x18\n \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x12\n\nerror_code\x18\x0b \x01(\x05\x12\x15\n\rerror_message\x18\x0c \x01(\t\x12 \n\x05usage\x18\x14 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x17\n\x0f\x61rrival_unix_ns\x18\x15 \x01(\x03\x12\x1b\n\x13\x66irst_token_unix_ns\x18\x16 \x01(\x03\x12\x16\n\x0e\x66inish_unix_ns\x18\x17 \x01(\x03\x12\x19\n\x11kv_transfer_bytes\x18\x18 \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\x19 \x01(\x01\"\x14\n\x12ReportOutcomeReply*`\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14WORKER_STATE_SERVING\x10\x01\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x02\x32\x84\x03\n\tScheduler\x12\x38\n\x05Place\x12\x18.pdserve.v1.PlaceRequest\x1a\x15.pdserve.v1.Placement\x12T\n\x0eRegisterWorker\x12!.pdserve.v1.RegisterWorkerRequest\x1a\x1f.pdserve.v1.RegisterWorkerReply\x12\x45\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1a.pdserve.v1.HeartbeatReply\x12Z\n\x10\x44\x65registerWorker\x12#.pdserve.v1.DeregisterWorkerRequest\x1a!.pdserve.v1.DeregisterWorkerReply\x12\x44\n\rReportOutcome\x12\x13.pdserve.v1.Outcome\x1a\x1e.pdserve.v1.ReportOutcomeReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERSTATE']._serialized_start=1641
-  _globals['_WORKERSTATE']._serialized_end=1737
+  _globals['_WORKERSTATE']._serialized_start=1691
+  _globals['_WORKERSTATE']._serialized_end=1787
   _globals['_PLACEREQUEST']._serialized_start=68
   _globals['_PLACEREQUEST']._serialized_end=259
   _globals['_PLACEMENT']._serialized_start=262
-  _globals['_PLACEMENT']._serialized_end=465
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=467
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=530
-  _globals['_REGISTERWORKERREPLY']._serialized_start=532
-  _globals['_REGISTERWORKERREPLY']._serialized_end=636
-  _globals['_LOADSNAPSHOT']._serialized_start=639
-  _globals['_LOADSNAPSHOT']._serialized_end=784
-  _globals['_HEARTBEATREQUEST']._serialized_start=787
-  _globals['_HEARTBEATREQUEST']._serialized_end=1083
-  _globals['_HEARTBEATREPLY']._serialized_start=1085
-  _globals['_HEARTBEATREPLY']._serialized_end=1184
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1186
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1230
-  _globals['_DEREGISTERWORKERREPLY']._serialized_start=1232
-  _globals['_DEREGISTERWORKERREPLY']._serialized_end=1255
-  _globals['_OUTCOME']._serialized_start=1258
-  _globals['_OUTCOME']._serialized_end=1617
-  _globals['_REPORTOUTCOMEREPLY']._serialized_start=1619
-  _globals['_REPORTOUTCOMEREPLY']._serialized_end=1639
-  _globals['_SCHEDULER']._serialized_start=1740
-  _globals['_SCHEDULER']._serialized_end=2128
+  _globals['_PLACEMENT']._serialized_end=493
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=495
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=558
+  _globals['_REGISTERWORKERREPLY']._serialized_start=560
+  _globals['_REGISTERWORKERREPLY']._serialized_end=664
+  _globals['_LOADSNAPSHOT']._serialized_start=667
+  _globals['_LOADSNAPSHOT']._serialized_end=834
+  _globals['_HEARTBEATREQUEST']._serialized_start=837
+  _globals['_HEARTBEATREQUEST']._serialized_end=1133
+  _globals['_HEARTBEATREPLY']._serialized_start=1135
+  _globals['_HEARTBEATREPLY']._serialized_end=1234
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1236
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1280
+  _globals['_DEREGISTERWORKERREPLY']._serialized_start=1282
+  _globals['_DEREGISTERWORKERREPLY']._serialized_end=1305
+  _globals['_OUTCOME']._serialized_start=1308
+  _globals['_OUTCOME']._serialized_end=1667
+  _globals['_REPORTOUTCOMEREPLY']._serialized_start=1669
+  _globals['_REPORTOUTCOMEREPLY']._serialized_end=1689
+  _globals['_SCHEDULER']._serialized_start=1790
+  _globals['_SCHEDULER']._serialized_end=2178
 # @@protoc_insertion_point(module_scope)

@@ -38,20 +38,22 @@ class PlaceRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., attempt: _Optional[int] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prompt_block_hashes: _Optional[_Iterable[int]] = ..., hash_block_size: _Optional[int] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("request_id", "prefill", "decode", "expected_cached_tokens", "placement_token", "local_prefill_max_tokens")
+    __slots__ = ("request_id", "prefill", "decode", "expected_cached_tokens", "placement_token", "local_prefill_max_tokens", "fleet_target_batch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FLEET_TARGET_BATCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefill: _common_pb2.WorkerInfo
     decode: _common_pb2.WorkerInfo
     expected_cached_tokens: int
     placement_token: str
     local_prefill_max_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prefill: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., decode: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., expected_cached_tokens: _Optional[int] = ..., placement_token: _Optional[str] = ..., local_prefill_max_tokens: _Optional[int] = ...) -> None: ...
+    fleet_target_batch: int
+    def __init__(self, request_id: _Optional[str] = ..., prefill: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., decode: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., expected_cached_tokens: _Optional[int] = ..., placement_token: _Optional[str] = ..., local_prefill_max_tokens: _Optional[int] = ..., fleet_target_batch: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker",)
@@ -70,18 +72,20 @@ class RegisterWorkerReply(_message.Message):
     def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., placement_verify_key: _Optional[bytes] = ...) -> None: ...
 
 class LoadSnapshot(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "free_kv_blocks", "total_kv_blocks", "queued_prompt_tokens")
+    __slots__ = ("running_requests", "waiting_requests", "free_kv_blocks", "total_kv_blocks", "queued_prompt_tokens", "target_batch")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_BATCH_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     free_kv_blocks: int
     total_kv_blocks: int
     queued_prompt_tokens: int
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ...) -> None: ...
+    target_batch: int
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., target_batch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "state", "sequence", "load", "cached_block_hashes_added", "cached_block_hashes_removed", "cache_snapshot", "stored_block_hashes", "store_missing_block_hashes")

@@ -87,6 +87,24 @@ ENGINE_STEP_SECONDS = Histogram(
     "of prefill-only prompts (kind=prefill).",
     ["role", "kind"], buckets=_LATENCY_BUCKETS,
 )  # fmt: skip
+STEP_BATCH = Histogram(
+    "pdserve:engine_step_batch_size",
+    "Sequences that got a token from one continuous-batching step.",
+    ["role"], buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256),
+)  # fmt: skip
+ITL_TARGET = Gauge(
+    "pdserve:itl_target_seconds",
+    "The decode step time the running batch is kept within (--itl-target-ms; 0: no target, "
+    "throughput mode).",
+    ["role"],
+)
+TARGET_BATCH = Gauge(
+    "pdserve:target_batch_size",
+    "Sequences the running batch (reservations included) takes now: the largest batch whose "
+    "predicted decode step fits the ITL target, at most max_num_seqs. More wait or are "
+    "refused.",
+    ["role"],
+)
 DELIVERY_WAIT_TIMEOUTS = Counter(
     "pdserve:engine_delivery_wait_timeouts_total",
     "Steps after which the engine stopped waiting for the event loop to send their tokens.",

@@ -1,7 +1,9 @@
 """The part of the process shell only engine workers (prefill, decode, colocated) have.
 
 receive (gRPC servicer) -> schedule/execute (AsyncEngine thread) -> postprocess (servicer);
-plus registration and heartbeats to the scheduler, metrics, and the drain of in-flight
+plus the step-time calibration of a decode or colocated engine before READY (its batch
+target under the ITL target: ``engine/step_budget.py``), registration and heartbeats to the
+scheduler (the load, the batch target with it), metrics, and the drain of in-flight
 requests (the rest of the shell is ``services.common.process``).
 """
 
@@ -144,21 +146,28 @@ def load_snapshot(st: EngineStats, role: str) -> scheduler_pb2.LoadSnapshot:
     metrics.PROMPT_TOKENS_WAITING.labels(role).set(st.queued_prefill_tokens)
     metrics.KV_USAGE.labels(role).set(st.kv_usage)
     metrics.KV_FREE.labels(role).set(st.free_blocks)
+    metrics.TARGET_BATCH.labels(role).set(st.target_batch)
+    metrics.ITL_TARGET.labels(role).set(st.itl_target_s)
     return scheduler_pb2.LoadSnapshot(
         running_requests=st.running + st.held,
         waiting_requests=st.waiting,
         free_kv_blocks=st.free_blocks,
         total_kv_blocks=st.total_blocks,
         queued_prompt_tokens=st.queued_prefill_tokens,
+        target_batch=st.target_batch,
     )
 
 
 def step_observer(role: str) -> Callable[[str, float, int], None]:
-    """An ``AsyncEngine.on_step`` hook feeding ``pdserve:engine_step_seconds``."""
+    """An ``AsyncEngine.on_step`` hook feeding ``pdserve:engine_step_seconds`` and
+    ``pdserve:engine_step_batch_size``."""
     series = {kind: metrics.ENGINE_STEP_SECONDS.labels(role, kind) for kind in ("step", "prefill")}
+    batch = metrics.STEP_BATCH.labels(role)
 
     def observe(kind: str, seconds: float, size: int) -> None:
         series[kind].observe(seconds)
+        if kind == "step":
+            batch.observe(size)
 
     return observe
 
@@ -201,6 +210,9 @@ async def serve_worker(
     aengine.on_step = step_observer(role)
     metrics.DELIVERY_WAIT_TIMEOUTS.labels(role)  # exported at 0 from the start
     aengine.start()
+    if role != "prefill":
+        # Before READY: the first placement sees the batch target and the ITL target.
+        await aengine.calibrate()
 
     async def publish_gauges() -> None:
         waits = 0

@@ -1,7 +1,8 @@
 """The decode worker's gRPC edge: continuous batching over a paged KV cache.
 
 Request lifecycle (each stage a queue):
-  received -> blocks reserved in the registered pool (admission by free KV blocks; the
+  received -> blocks reserved in the registered pool (admission by the batch target, the
+     sequences its ITL target allows (``engine/step_budget.py``), and by free KV blocks; the
      blocks of the longest prefix this pool's prefix cache holds are reused: earlier
      requests' prompts and outputs, so a conversation's next turn finds the last one's)
   -> Prefill RPC to the chosen prefill worker, which writes the KV of the rest of the

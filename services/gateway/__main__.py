@@ -116,10 +116,14 @@ async def serve(cfg: GatewayConfig) -> None:
             queue_timeout_s=cfg.queue_timeout_s,
             rate_per_key=cfg.rate_limit_rps,
             burst=cfg.rate_limit_burst,
+            follow_fleet=cfg.follows_fleet,
         ),
     )
+    backend.on_target_batch = service.admission.follow
     if isinstance(backend, ClusterBackend):
         backend.on_migration = service.metrics.count_migration
+    else:  # the local engine's batch target, before the first request (a worker's: READY)
+        await backend.engine.calibrate()
     app = create_app(
         service, max_body_bytes=cfg.max_body_bytes, write_timeout_s=cfg.write_timeout_s
     )
@@ -134,7 +138,8 @@ async def serve(cfg: GatewayConfig) -> None:
     await http.start()
     log.info("gateway_started", model=model.name, max_model_len=model.max_model_len,
              http_port=http.port, grpc_port=server.port, max_concurrent=cfg.concurrency,
-             max_queued=cfg.queue_size)  # fmt: skip
+             max_queued=cfg.queue_size,
+             follows_fleet=cfg.follows_fleet)  # fmt: skip
 
     async def drain() -> None:
         service.start_draining()  # new generations: 503 / UNAVAILABLE

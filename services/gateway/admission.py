@@ -8,6 +8,17 @@ the slot over). Refusals are errors the edges already map: ``Overloaded`` and
 RESOURCE_EXHAUSTED with ``retry-after-ms``), and ``BackendUnavailableError`` while draining
 (503 / UNAVAILABLE; queued requests get it too).
 
+The cap follows the fleet unless it was given (``follow_fleet``): every placement tells the
+fleet's target batch (what the decode workers run at once within their ITL targets, summed:
+``services/scheduler/policy.py``), and ``follow`` makes it the cap, so the fleet fills every
+decode worker to its target and the excess waits here, first come first served, for at
+most ``queue_timeout_s``, or is refused at once when the queue is full, instead of being
+placed on a full worker and refused there. Until the first placement the cap is the
+configured start. A larger cap hands its new slots to the longest waiters at once; a
+smaller one takes effect as slots are released (nothing running is cut). The queue's bound
+stays as configured: a burst larger than the fleet's batches waits for their slots (within
+its deadline) rather than being refused.
+
 ``decide`` and ``take_token`` are the policy (pure); ``Admission`` owns the state (slots, the
 queue, the buckets) and is touched only from the event loop, so it needs no lock.
 """
@@ -15,6 +26,7 @@ queue, the buckets) and is touched only from the event loop, so it needs no lock
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import math
 import time
@@ -48,10 +60,11 @@ class RateLimited(ResourceExhaustedError):
 
 @dataclass(frozen=True)
 class AdmissionLimits:
-    """``max_concurrent``: generations at once. ``max_queued``: requests that may wait for a
-    slot, each at most ``queue_timeout_s``. ``rate_per_key``: requests a second each key may
-    start, with bursts of ``burst`` (0: no rate limit). ``retry_after_s``: the back-off a
-    refusal suggests when nothing better is known."""
+    """``max_concurrent``: generations at once (the start, with ``follow_fleet``: then the
+    fleet's target batch). ``max_queued``: requests that may wait for a slot, each at most
+    ``queue_timeout_s``. ``rate_per_key``: requests a second each key may start, with
+    bursts of ``burst`` (0: no rate limit). ``retry_after_s``: the back-off a refusal
+    suggests when nothing better is known."""
 
     max_concurrent: int
     max_queued: int = 0
@@ -59,6 +72,7 @@ class AdmissionLimits:
     rate_per_key: float = 0.0
     burst: int = 1
     retry_after_s: float = 1.0
+    follow_fleet: bool = False
 
     def __post_init__(self) -> None:
         if self.max_concurrent < 1:
@@ -143,6 +157,16 @@ class Admission:
         """Requests waiting for a slot."""
         return sum(1 for w in self._waiters if not w.done())
 
+    def follow(self, fleet_target_batch: int) -> None:
+        """Take the fleet's target batch as the cap, when this admission follows the fleet
+        (``AdmissionLimits.follow_fleet``) and it is known (> 0); module docstring."""
+        limits = self.limits
+        if not limits.follow_fleet or fleet_target_batch < 1:
+            return
+        if fleet_target_batch != limits.max_concurrent:
+            self.limits = dataclasses.replace(limits, max_concurrent=fleet_target_batch)
+            self._hand_over()
+
     def start_draining(self) -> None:
         """Refuse everything from now on; requests waiting in the queue are refused too."""
         self._draining = True
@@ -215,12 +239,16 @@ class Admission:
             raise
 
     def _release(self) -> None:
-        while self._waiters:
+        self._in_flight -= 1
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Give free slots to the longest waiters (a waiter counts as in flight once woken)."""
+        while self._waiters and self._in_flight < self.limits.max_concurrent:
             waiter = self._waiters.popleft()
             if not waiter.done():
-                waiter.set_result(None)  # the slot passes to the longest waiter
-                return
-        self._in_flight -= 1
+                self._in_flight += 1
+                waiter.set_result(None)
 
     def _check_rate(self, key: str) -> None:
         rate = self.limits.rate_per_key

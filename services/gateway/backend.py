@@ -14,7 +14,7 @@ UNAVAILABLE). Anything else is a server fault.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -94,6 +94,11 @@ class Backend(Protocol):
     request everywhere downstream and free its KV blocks. Errors that happen before the
     first chunk are raised from the first ``__anext__``.
     """
+
+    on_target_batch: Callable[[int], None]
+    """Told what the workers behind it run at once within their ITL targets, as it learns
+    it (a placement's ``fleet_target_batch``, the local engine's batch target); the
+    gateway's admission follows it."""
 
     def generate(self, req: GenerateInput) -> AsyncIterator[GenerateChunk]: ...
 

@@ -162,6 +162,8 @@ class ClusterBackend:
         self._worker_channel_options = keepalive_options(worker_keepalive_s)
         # Called with the cause of every migration (the gateway's metrics count them).
         self.on_migration: Callable[[str], None] = lambda cause: None
+        # Called with the fleet's target batch every placement tells (admission follows it).
+        self.on_target_batch: Callable[[int], None] = lambda n: None
         self._sched_channel: grpc.aio.Channel | None = None
         self._channels = ChannelPool(
             lambda address: cluster_auth.channel(address, options=self._worker_channel_options)
@@ -215,6 +217,7 @@ class ClusterBackend:
         except grpc.aio.AioRpcError as e:
             raise _error_for(e, "scheduler") from e
         self.prefix_hashes.learn(placement)
+        self.on_target_batch(placement.fleet_target_batch)
         return placement
 
     async def generate(self, req: GenerateInput) -> AsyncIterator[GenerateChunk]:

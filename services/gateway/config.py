@@ -46,15 +46,17 @@ class GatewayConfig:
     max_concurrent_requests: int | None = setting(
         None,
         "generations at once, in every backend (tokenizing or streaming); more wait in the "
-        "queue (default: --max-num-seqs, the running batch of one decode worker; with several "
-        "decode workers, give their sum)",
+        "queue (default: what the decode workers run within their ITL targets, summed, as "
+        "each placement tells it (the local engine's own, with --backend local); "
+        "--max-num-seqs until the first)",
         metavar="N",
     )
     max_queued_requests: int | None = setting(
         None,
         "requests that may wait for a slot (first come, first served); one more gets 429 "
         "with Retry-After / RESOURCE_EXHAUSTED at once (default: as many as "
-        "--max-concurrent-requests; 0: no queue)",
+        "--max-concurrent-requests, or without it --max-num-seqs: a burst of a full batch "
+        "waits for the fleet's slots; 0: no queue)",
         metavar="N",
     )
     queue_timeout_s: float = setting(
@@ -166,12 +168,18 @@ class GatewayConfig:
 
     @property
     def concurrency(self) -> int:
-        """``max_concurrent_requests``, its default resolved."""
+        """``max_concurrent_requests``, or the start of the default (which then follows the
+        fleet: ``admission``)."""
         return self.max_concurrent_requests or self.engine.max_num_seqs
 
     @property
+    def follows_fleet(self) -> bool:
+        """Whether the concurrency follows the fleet's target batch (not given)."""
+        return self.max_concurrent_requests is None
+
+    @property
     def queue_size(self) -> int:
-        """``max_queued_requests``, its default resolved."""
+        """``max_queued_requests``, its default resolved (it does not follow the fleet)."""
         queued = self.max_queued_requests
         return self.concurrency if queued is None else queued
 

@@ -3,14 +3,15 @@
 Used by the single-process gateway (``--backend local``) and by the gateway's tests. The
 engine runs on its own thread (``AsyncEngine``); this class only adapts its events to
 ``GenerateChunk``. How many requests run at once is the gateway's admission's business
-(``admission``), the same for every backend.
+(``admission``), the same for every backend: each request tells it the engine's batch
+target (``on_target_batch``), as a placement tells the fleet's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
 import structlog
@@ -32,6 +33,8 @@ class EngineBackend:
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
+        # Called with the engine's batch target at each request (admission follows it).
+        self.on_target_batch: Callable[[int], None] = lambda n: None
         self._active = 0
         self._started = False
         self._stopping = False
@@ -62,6 +65,7 @@ class EngineBackend:
     async def generate(self, req: GenerateInput) -> AsyncIterator[GenerateChunk]:
         if not self._started or self._stopping:
             raise BackendUnavailableError("the engine is not running")
+        self.on_target_batch(self.engine.stats.target_batch)
         self._active += 1
         stream = self.engine.generate(req.request_id, list(req.prompt_token_ids), req.params)
         try:

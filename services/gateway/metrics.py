@@ -14,6 +14,8 @@ registry so several gateways (tests) can live in one interpreter.
 - ``pdserve:migrations_total{cause}``: requests placed again after a broken stream (cluster).
 - ``pdserve:request_goodput_total``: requests that met the latency SLO (``LatencySlo``).
 - ``pdserve:num_requests_waiting``: requests in the admission queue (``admission``).
+- ``pdserve:max_concurrent_requests``: the admission's cap now (it follows the fleet's
+  target batch unless given).
 - ``pdserve:requests_refused_total{reason}``: requests turned away at the edge: overloaded,
   rate_limited, draining, too_long (refused before tokenizing), slow_reader (stream cut
   after the write timeout), connections (over the connection cap).
@@ -144,6 +146,11 @@ class GatewayMetrics:
         self.migrations = new.counter("pdserve:migrations", _MIGRATIONS_HELP, "cause")
         self.waiting = new.gauge(
             "pdserve:num_requests_waiting", "Requests waiting for an admission slot."
+        )
+        self.concurrency = new.gauge(
+            "pdserve:max_concurrent_requests",
+            "Generations admitted at once now: --max-concurrent-requests, or what the decode "
+            "workers run within their ITL targets, summed (admission).",
         )
         self.refused = new.counter(
             "pdserve:requests_refused",

@@ -53,6 +53,7 @@ class GatewayService:
         self._api_keys = tuple(k.encode() for k in api_keys)
         self.admission = Admission(admission, on_refused=self.metrics.count_refusal)
         self.metrics.waiting.set_function(lambda: self.admission.queued)
+        self.metrics.concurrency.set_function(lambda: self.admission.limits.max_concurrent)
         self.draining = False
 
     def start_draining(self) -> None:

@@ -124,6 +124,8 @@ class WorkerLoad:
     free_kv_blocks: int = 0
     total_kv_blocks: int = 0
     queued_prompt_tokens: int = 0
+    target_batch: int = 0
+    """Sequences its running batch takes now within its ITL target; 0: not reported."""
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,14 @@ class WorkerView:
     def free_kv_blocks(self) -> int:
         """Free blocks after the reservations not yet reflected in a heartbeat."""
         return self.load.free_kv_blocks - self.pending_kv_blocks
+
+    @property
+    def batch_target(self) -> int:
+        """The sequences it runs at once now: its reported target batch, at most (and when
+        it reports none, exactly) its ``max_num_seqs``."""
+        most = self.info.capacity.max_num_seqs
+        target = self.load.target_batch
+        return min(most, target) if target > 0 else most
 
     @property
     def active_sequences(self) -> int:
@@ -215,6 +225,8 @@ class Placement:
     decode_kv_blocks: int = 0
     """KV blocks the placement reserved on the decode worker."""
     local_prefill_max_tokens: int = 0
+    fleet_target_batch: int = 0
+    """Sequences the fleet runs at once within its ITL targets now (``policy``)."""
 
 
 @dataclass(frozen=True)

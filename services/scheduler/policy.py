@@ -10,9 +10,23 @@ Admission, in order (the first failing check decides the rejection):
 2. a live, SERVING, non-excluded decode-capable worker exists    else NO_LIVE_WORKER
 3. active sequences across those workers < ``max_inflight``      else INFLIGHT_CAP
 4. prompt + max_tokens fits one of them (context and KV pool)    else NEVER_FITS
-5. one of them has room now (free KV blocks, sequence slots)     else CAPACITY
+5. one of them has room now (free KV blocks, sequence slots      else CAPACITY
+   by its batch target)
 6. for a disaggregated placement: a compatible prefill worker
    has room (prompt backlog, sequence slots)                     else CAPACITY
+
+Batch target. A decode-capable worker reports in each heartbeat the sequences its running
+batch takes now: the largest batch whose decode step it predicts within its ITL target
+(``engine/step_budget.py``), at most its ``max_num_seqs`` (which it is, without a target).
+Its sequence slots (rule 5) are that batch target plus ``max_waiting_per_worker``: the
+allowance covers the heartbeat's lag (a finished request stays counted until the next
+one), and the worker checks exactly: it refuses a reservation for a remote prefill
+beyond its target (RESOURCE_EXHAUSTED), and queues a prompt it prefills itself until its
+batch has room.
+``fleet_target_batch``: the batch targets of the live, serving decode-capable workers of
+the model, summed (excluded workers too: they are the fleet still), sent with every
+placement; a gateway sizes its concurrency by it, so the excess waits in its queue rather
+than here or on a worker.
 
 Cached tokens. ``cached(w)`` is the prompt's longest prefix of full blocks that worker ``w``
 holds in its prefix cache, by the index its KV events feed (block hash → workers), capped
@@ -59,6 +73,7 @@ the state loop's expiry tick removes them, and so is their part of the prefix in
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
@@ -199,8 +214,19 @@ def _ever_fits_decode(worker: WorkerView, req: PlaceRequest) -> bool:
 
 
 def _seq_room(worker: WorkerView, limits: AdmissionLimits) -> bool:
-    return (
-        worker.active_sequences < worker.info.capacity.max_num_seqs + limits.max_waiting_per_worker
+    return worker.active_sequences < worker.batch_target + limits.max_waiting_per_worker
+
+
+def fleet_target_batch(snapshot: ClusterSnapshot, model: str = "") -> int:
+    """The batch targets of the live, serving decode-capable workers of ``model`` (""
+    every model's), summed: the sequences the fleet runs at once within its ITL targets."""
+    return sum(
+        w.batch_target
+        for w in snapshot.workers
+        if w.info.role.decodes
+        and model in ("", w.info.model)
+        and w.state is WorkerState.SERVING
+        and is_live(w, snapshot.now, snapshot.lease_ttl_s)
     )
 
 
@@ -326,7 +352,8 @@ def _round_robin(workers: Iterable[WorkerView], last: str) -> list[WorkerView]:
 def place(snapshot: ClusterSnapshot, req: PlaceRequest) -> Placement | Rejection:
     """Admit ``req`` and choose its workers, or say why not (module docstring has the rules).
 
-    Pure: the result depends only on the arguments.
+    Pure: the result depends only on the arguments. A placement carries the fleet's
+    batch target (``fleet_target_batch``).
     """
     admitted = _admit(snapshot, req)
     if isinstance(admitted, Rejection):
@@ -335,7 +362,9 @@ def place(snapshot: ClusterSnapshot, req: PlaceRequest) -> Placement | Rejection
     with_room = [w for w in decoders if has_decode_room(w, req, snapshot.limits)]
     if not with_room:
         return _reject(
-            snapshot.limits, RejectReason.CAPACITY, "no decode worker has free KV blocks or slots"
+            snapshot.limits,
+            RejectReason.CAPACITY,
+            "no decode worker has free KV blocks or slots within its batch target",
         )
     cache = _CacheView(
         req,
@@ -343,7 +372,10 @@ def place(snapshot: ClusterSnapshot, req: PlaceRequest) -> Placement | Rejection
         snapshot.routing,
         stored_runs(usable, req, snapshot),
     )
-    return _pair(_decode_order(with_room, snapshot, cache), usable, snapshot, req, cache)
+    result = _pair(_decode_order(with_room, snapshot, cache), usable, snapshot, req, cache)
+    if isinstance(result, Rejection):
+        return result
+    return dataclasses.replace(result, fleet_target_batch=fleet_target_batch(snapshot, req.model))
 
 
 def _reject(

@@ -193,6 +193,7 @@ def placement_to_pb(placement: Placement) -> scheduler_pb2.Placement:
         decode=worker_info_to_pb(placement.decode),
         expected_cached_tokens=placement.expected_cached_tokens,
         local_prefill_max_tokens=placement.local_prefill_max_tokens,
+        fleet_target_batch=placement.fleet_target_batch,
     )
     if placement.prefill is not None:
         pb.prefill.CopyFrom(worker_info_to_pb(placement.prefill))
@@ -217,6 +218,7 @@ def heartbeat_from_pb(pb: scheduler_pb2.HeartbeatRequest) -> HeartbeatReport:
             free_kv_blocks=load.free_kv_blocks,
             total_kv_blocks=load.total_kv_blocks,
             queued_prompt_tokens=load.queued_prompt_tokens,
+            target_batch=load.target_batch,
         ),
         cached_added=tuple(pb.cached_block_hashes_added),
         cached_removed=tuple(pb.cached_block_hashes_removed),

@@ -399,6 +399,7 @@ SAMPLES: dict[str, Message] = {
             expected_cached_tokens=512,
             placement_token="v1.e30.c2ln",
             local_prefill_max_tokens=32,
+            fleet_target_batch=24,
         ),
         scheduler_pb2.RegisterWorkerRequest(worker=_WORKER),
         scheduler_pb2.RegisterWorkerReply(
@@ -410,6 +411,7 @@ SAMPLES: dict[str, Message] = {
             free_kv_blocks=1000,
             total_kv_blocks=4096,
             queued_prompt_tokens=2**40,
+            target_batch=9,
         ),
         scheduler_pb2.HeartbeatRequest(
             worker_id="prefill-host1-4242-ab12",

@@ -60,9 +60,11 @@ def cluster():
             ("mooncake", ["--transport", "mooncake", "--mooncake-protocol", "tcp"]),
         ):
             ports[name] = _free_port()
+            # Throughput mode: test_concurrent_streams runs more at once than a default
+            # batch target takes (its reservations past it would be refused).
             procs[name] = start_unscheduled(
                 "services.decode", "--port", "0", "--kv-cache-mib", KV_MIB,
-                "--prefill-deadline-s", str(PREFILL_DEADLINE_S),
+                "--prefill-deadline-s", str(PREFILL_DEADLINE_S), "--itl-target-ms", "0",
                 "--metrics-port", str(ports[name]), *args,
             )  # fmt: skip
         ports["prefill"] = _free_port()

@@ -44,7 +44,7 @@ def test_every_command_reads_every_engine_flag(command: str) -> None:
         max_model_len=1024, max_num_seqs=8, chunked_prefill=256, prefix_caching=False,
         cpu_kernels=False, kv_cache_dtype="float32", num_kv_blocks=100,
         kv_staging=True, triton_kernels=True, batch_invariant=True, weights="quantized",
-        device="cpu",
+        device="cpu", itl_target_ms=50.0,
     )  # fmt: skip
     argv = settings.to_argv(custom)
     # every field differs but max_num_batched_tokens (chunked_prefill's alternative)

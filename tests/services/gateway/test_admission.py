@@ -134,3 +134,40 @@ async def test_rate_limits_are_per_key() -> None:
     now[0] = 1.0
     async with adm.slot("a"):
         pass
+
+
+@pytest.mark.asyncio
+async def test_the_cap_follows_the_fleet_s_target_batch() -> None:
+    adm = Admission(AdmissionLimits(1, max_queued=3, queue_timeout_s=30, follow_fleet=True))
+    release = asyncio.Event()
+    holders = [asyncio.create_task(_holder(adm, release, f"k{i}")) for i in range(3)]
+    await asyncio.sleep(0)
+    assert (adm.in_flight, adm.queued) == (1, 2)
+    adm.follow(0)  # not known: nothing changes
+    assert adm.limits.max_concurrent == 1
+    adm.follow(3)  # the fleet runs 3: the waiters get their slots at once, in order
+    await asyncio.sleep(0)
+    assert (adm.limits.max_concurrent, adm.in_flight, adm.queued) == (3, 3, 0)
+    seen: list[int] = []
+
+    async def counted(i: int) -> None:
+        async with adm.slot(f"m{i}"):
+            seen.append(adm.in_flight)
+            await release.wait()
+
+    more = [asyncio.create_task(counted(i)) for i in range(4)]
+    await asyncio.sleep(0)
+    assert (adm.in_flight, adm.queued) == (3, 3)  # the queue keeps its bound: the 4th refused
+    assert isinstance(more[3].exception(), Overloaded)
+    adm.follow(1)  # smaller: nothing running is cut, and the waiters go one at a time
+    assert adm.in_flight == 3
+    release.set()
+    await asyncio.gather(*holders, *more[:3])
+    assert seen == [1, 1, 1] and (adm.in_flight, adm.queued) == (0, 0)
+
+
+@pytest.mark.asyncio
+async def test_a_given_cap_ignores_the_fleet() -> None:
+    adm = Admission(AdmissionLimits(2, max_queued=2))
+    adm.follow(10)
+    assert adm.limits.max_concurrent == 2

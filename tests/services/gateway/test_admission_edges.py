@@ -24,6 +24,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
+from engine.step_budget import StepBudget
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.admission import AdmissionLimits
 from services.gateway.backend import GenerateChunk, GenerateInput
@@ -89,6 +90,28 @@ def _refused_count(service: GatewayService, reason: str) -> float:
 
 
 # -- the cap and its queue -------------------------------------------------------------------
+
+
+async def test_the_cap_follows_the_engine_s_batch_target(gw, http) -> None:
+    """The local backend tells admission its engine's batch target at every request, as a
+    placement tells the fleet's; the cap follows it (and the gauge shows it)."""
+    service = _service(gw, AdmissionLimits(16, max_queued=4, follow_fleet=True))
+    engine, budget = gw.backend.engine, gw.engine.step_budget
+    three = StepBudget.calibrated([(1, 0.01), (8, 0.08)], max_num_seqs=16, target_s=0.03)
+    await engine.call(lambda: setattr(gw.engine, "step_budget", three))
+    await engine.call(lambda: None)  # the stats snapshot after it
+    gw.backend.on_target_batch = service.admission.follow
+    try:
+        async with _served(service) as (base, _):
+            status, _, _ = await _post(http, base + "/v1/completions", SHORT)
+            assert status == 200
+            assert service.admission.limits.max_concurrent == 3
+            assert service.admission.limits.max_queued == 4  # the queue keeps its bound
+            text = service.metrics.render().decode()
+            assert "pdserve:max_concurrent_requests 3.0" in text
+    finally:
+        gw.backend.on_target_batch = lambda n: None
+        await engine.call(lambda: setattr(gw.engine, "step_budget", budget))
 
 
 async def test_http_cap_queues_then_refuses_with_retry_after_and_draining_refuses_the_queue(

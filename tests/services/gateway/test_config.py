@@ -63,10 +63,13 @@ def test_bad_values_exit_with_usage_error(argv, env, needle, capsys) -> None:
 
 def test_admission_defaults_follow_the_workers_batch() -> None:
     cfg = load_config([], {})
-    assert (cfg.concurrency, cfg.queue_size) == (64, 64)  # --max-num-seqs' default
+    # --max-num-seqs' default to start with, then the fleet's target batch (admission); the
+    # queue keeps its bound
+    assert (cfg.concurrency, cfg.queue_size, cfg.follows_fleet) == (64, 64, True)
     cfg = load_config(["--max-num-seqs", "16"], {})
-    assert (cfg.concurrency, cfg.queue_size) == (16, 16)
+    assert (cfg.concurrency, cfg.queue_size, cfg.follows_fleet) == (16, 16, True)
     env = {"PDSERVE_GATEWAY_MAX_CONCURRENT_REQUESTS": "8", "PDSERVE_GATEWAY_RATE_LIMIT_RPS": "2"}
     cfg = load_config(["--max-queued-requests", "0"], env)
     assert (cfg.concurrency, cfg.queue_size, cfg.rate_limit_rps) == (8, 0, 2.0)
+    assert not cfg.follows_fleet
     assert (cfg.write_timeout_s, cfg.max_connections, cfg.rate_limit_burst) == (30.0, 512, 10)

@@ -70,6 +70,7 @@ def view(
     pending_blocks: int = 0,
     pending_seqs: int = 0,
     kv_store: str = "",
+    target_batch: int = 0,
 ) -> WorkerView:
     """A worker whose last heartbeat was ``age`` seconds before ``NOW``."""
     cap = cap or capacity()
@@ -90,6 +91,7 @@ def view(
             free_kv_blocks=cap.total_kv_blocks if free is None else free,
             total_kv_blocks=cap.total_kv_blocks,
             queued_prompt_tokens=queued_tokens,
+            target_batch=target_batch,
         ),
         last_seen=NOW - age,
         pending_kv_blocks=pending_blocks,

@@ -178,6 +178,42 @@ def test_capacity_rejection_when_no_decode_worker_has_room() -> None:
     assert _placed(place(snapshot(d1_fits, d2), request())).decode.worker_id == "d1"
 
 
+def test_a_worker_s_room_counts_by_its_batch_target() -> None:
+    exact = AdmissionLimits(max_waiting_per_worker=0)
+    full = view("d1", running=2, target_batch=2)  # max_num_seqs 8, but 2 within its target
+    rejection = _rejected(place(snapshot(full, limits=exact), request()))
+    assert rejection.reason is RejectReason.CAPACITY
+    assert "batch target" in rejection.message
+    assert _placed(place(snapshot(view("d1", running=2, target_batch=3), limits=exact), request()))
+    # no target reported: max_num_seqs; a target above max_num_seqs: max_num_seqs
+    assert _placed(place(snapshot(view("d1", running=7), limits=exact), request()))
+    over = view("d1", running=8, target_batch=20)
+    assert _rejected(place(snapshot(over, limits=exact), request())).reason is RejectReason.CAPACITY
+    # the waiting allowance still stands beyond the target (a heartbeat's lag)
+    lagging = AdmissionLimits(max_waiting_per_worker=1)
+    assert _placed(place(snapshot(full, limits=lagging), request()))
+    # among workers with room, the one with fewer active sequences still goes first
+    roomy = view("d2", running=3, target_batch=6)
+    placed = place(snapshot(full, roomy, limits=exact), request())
+    assert _placed(placed).decode.worker_id == "d2"
+
+
+def test_a_placement_carries_the_fleet_target_batch() -> None:
+    workers = (
+        view("d1", target_batch=3),
+        view("d2"),  # no target reported: its max_num_seqs, 8
+        view("d3", target_batch=20),  # at most its max_num_seqs
+        view("c1", Role.COLOCATED, target_batch=2),
+        view("dead", target_batch=5, age=2 * TTL),
+        view("drain", target_batch=5, state=WorkerState.DRAINING),
+        view("other", target_batch=5, model="other"),
+        view("p1", Role.PREFILL, target_batch=5),
+    )
+    req = request(model="m", exclude=frozenset({"d1"}))
+    placed = _placed(place(snapshot(*workers), req))
+    assert placed.fleet_target_batch == 3 + 8 + 8 + 2  # the excluded d1 is the fleet still
+
+
 def test_request_larger_than_any_worker_never_fits() -> None:
     d1 = view("d1", cap=capacity(blocks=1000, model_len=2048))
     rejection = _rejected(place(snapshot(d1), request(prompt=2000, max_tokens=49)))
@@ -303,6 +339,7 @@ def _worker(draw: st.DrawFn, worker_id: str) -> WorkerView:
         host_id=draw(st.sampled_from(["h1", "h2"])),
         pending_blocks=draw(st.integers(0, 20)),
         pending_seqs=draw(st.integers(0, 3)),
+        target_batch=draw(st.integers(0, 10)),
     )
 
 
@@ -379,6 +416,9 @@ def test_property_placement_only_picks_live_workers_with_room(
     assert decode.info.role.decodes
     assert _usable(decode, req.model, req.exclude_worker_ids)
     assert has_decode_room(decode, req, limits)
+    assert decode.active_sequences < decode.batch_target + limits.max_waiting_per_worker
+    assert 1 <= decode.batch_target <= decode.info.capacity.max_num_seqs
+    assert result.fleet_target_batch >= decode.batch_target
     assert result.decode_kv_blocks <= decode.free_kv_blocks
     assert 0 <= result.expected_cached_tokens <= req.prompt_tokens
     if result.prefill is None:
