@@ -94,7 +94,7 @@ class EngineConfig:
         "a decode (or colocated) engine admits another sequence into its running batch only "
         "while the decode step it predicts for the larger batch fits this target (a line in "
         "the batch size, fitted to steps timed before READY and to the steps it serves; at "
-        "least one sequence runs) (default: 3x its batch-1 decode step, timed at start; 0: "
+        "least one sequence runs) (default: 8x its batch-1 decode step, timed at start; 0: "
         "no target, the batch fills to --max-num-seqs and the KV blocks: throughput mode)",
         metavar="MS",
     )

@@ -62,7 +62,8 @@ def test_calibrated_default_target_is_a_multiple_of_the_quiet_step() -> None:
     assert budget.quiet_step_s == pytest.approx(0.014)
     assert budget.target_s == pytest.approx(ITL_TARGET_FACTOR * 0.014)
     assert budget.model.per_seq_s == pytest.approx(0.004)  # type: ignore[union-attr]
-    assert budget.cap == 8  # 10 + 4 * 8 = 42 ms
+    # the largest B with 10 + 4 * B ms within the target
+    assert budget.cap == int((ITL_TARGET_FACTOR * 14 - 10) // 4)
 
 
 def test_an_explicit_target_wins() -> None:
