@@ -77,6 +77,7 @@ def _build_cluster(cfg: GatewayConfig) -> tuple[ClusterBackend, ServedModel]:
         max_migrations=cfg.max_migrations,
         worker_keepalive_s=cfg.worker_keepalive_s,
         generate_timeout_s=cfg.generate_timeout_s,
+        room_wait_s=cfg.queue_timeout_s,
     )
     name = cfg.served_model_name or checkpoint_name
     max_len = min(cfg.engine.max_model_len or context, context)

@@ -18,6 +18,15 @@ may be the request's own, once (the same failure twice ends it). A migrating req
 admitted already, so when no worker has room for it (a 429: its old KV blocks may be held
 by a lease for a while) it waits, with backoff, up to ``MIGRATION_ROOM_WAIT_S``. Each
 attempt's decode stream has a deadline of ``generate_timeout_s``.
+
+Room. A new request that finds no room before its first token waits for it the same way,
+up to ``room_wait_s`` (the gateway's queue timeout), then gets the 429: the scheduler found
+no worker with room, or the decode worker it chose refused the reservation (its batch is
+at its ITL target's size: the scheduler's view of it lags a heartbeat). Each try is a new
+attempt (``Place`` is idempotent per attempt). The gateway's cap follows the fleet's batch
+target (``admission``), so this is the exception: the burst before the first placement, a
+finished stream the scheduler still counts, or gateways that together admit more than the
+fleet takes.
 """
 
 from __future__ import annotations
@@ -75,7 +84,7 @@ def client_request_id(cluster_id: str) -> str:
 
 
 class _RoomWait:
-    """Backoff for a migrating request that finds no room (429) until ``total_s`` passed."""
+    """Backoff for a request that finds no room (429) until ``total_s`` passed."""
 
     def __init__(self, total_s: float) -> None:
         self.give_up = time.monotonic() + total_s
@@ -149,16 +158,19 @@ class ClusterBackend:
         generate_timeout_s: float = 600.0,
         max_migrations: int = 3,
         worker_keepalive_s: float = 5.0,
+        room_wait_s: float = 30.0,
     ) -> None:
         """``worker_model``: the model name workers register with (the scheduler matches
         requests to workers by it; the name clients use may be an alias).
         ``max_migrations``: how many times one request may be placed again.
         ``worker_keepalive_s``: the keepalive of decode worker connections: a stream whose
-        worker went silent (its host cut off) breaks within about twice this, and moves."""
+        worker went silent (its host cut off) breaks within about twice this, and moves.
+        ``room_wait_s``: how long a new request waits for room (module docstring)."""
         self.scheduler_address = scheduler_address
         self.worker_model = worker_model
         self.generate_timeout_s = generate_timeout_s
         self.max_migrations = max_migrations
+        self.room_wait_s = room_wait_s
         self._worker_channel_options = keepalive_options(worker_keepalive_s)
         # Called with the cause of every migration (the gateway's metrics count them).
         self.on_migration: Callable[[str], None] = lambda cause: None
@@ -226,7 +238,7 @@ class ClusterBackend:
         received: list[int] = []  # token ids the client has, over every attempt
         exclude: list[str] = []
         history = MigrationHistory(self.max_migrations)
-        room: _RoomWait | None = None  # set once migrating: waits for room instead of a 429
+        room = _RoomWait(self.room_wait_s)  # module docstring, "Room"
         for attempt in itertools.count():  # Place is idempotent per (request, attempt)
             try:
                 placement = await self.place(req, attempt, exclude)
@@ -235,7 +247,7 @@ class ClusterBackend:
                     yield chunk
                 return
             except ResourceExhaustedError:
-                if room is None or not await room.wait():
+                if not await room.wait():
                     raise
             except _Broken as broken:
                 b = broken.breakage

@@ -80,11 +80,9 @@ GREEDY = {"temperature": 0.0}
 
 
 def _start(tmp_path_factory, name: str, layout: list[str]):
-    # Throughput mode (no ITL target): every stream runs at once, more than a worker's
-    # default batch target would take (the gateway would refuse some).
     args = load_up_config(
         [*layout, "--kv-cache-mib", "96", "--http-port", str(free_port()), "--grpc-port", "0",
-         "--heartbeat-ttl-s", "2", "--batch-invariant", "--itl-target-ms", "0"],
+         "--heartbeat-ttl-s", "2", "--batch-invariant"],
         {},
     )  # fmt: skip
     st = Stack(log_dir=tmp_path_factory.mktemp(name))

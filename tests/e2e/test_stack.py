@@ -50,8 +50,7 @@ def stack(tmp_path_factory):
         ["--prefill", "2", "--decode", "2", "--transport", "shm,tcp", "--kv-cache-mib", "96",
          "--http-port", str(free_port()), "--grpc-port", str(free_port()),
          "--heartbeat-ttl-s", "2", "--pin", "--control-cpus", "0",
-         "--local-prefill-max-tokens", "0",  # every prompt crosses a transport
-         "--itl-target-ms", "0"], {}  # throughput mode: 32 streams at once, none refused
+         "--local-prefill-max-tokens", "0"], {}  # every prompt crosses a transport
     )  # fmt: skip
     # A short prefill deadline: the KV lease of a killed prefill worker's requests is short;
     # a short drain: a drained decode worker cuts its streams soon.
