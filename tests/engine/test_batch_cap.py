@@ -13,7 +13,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.scheduler import BatchLimits, Scheduler
 from engine.sequence import Sequence
-from engine.step_budget import StepBudget
+from engine.step_budget import ITL_TARGET_FACTOR, StepBudget
 from engine.step_calibration import calibration_batches
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -114,7 +114,7 @@ def test_calibration_starts_the_budget_and_gives_every_block_back(
     assert engine.batch_cap == 16 and engine.itl_target_s == 0  # before: no target yet
     budget = engine.calibrate()
     assert budget.quiet_step_s is not None and budget.quiet_step_s > 0
-    assert engine.itl_target_s == pytest.approx(3 * budget.quiet_step_s)
+    assert engine.itl_target_s == pytest.approx(ITL_TARGET_FACTOR * budget.quiet_step_s)
     assert budget.model is not None  # two batch sizes timed (its slope: test_step_budget)
     assert 1 <= engine.batch_cap <= 16
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
