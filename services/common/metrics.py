@@ -98,6 +98,13 @@ ITL_TARGET = Gauge(
     "throughput mode).",
     ["role"],
 )
+BATCH_TARGET_USAGE = Gauge(
+    "pdserve:batch_target_usage_perc",
+    "Sequences on this worker (running, reserved and waiting) per sequence of its batch "
+    "target (pdserve:target_batch_size): above 1, sequences wait for the ITL target. What a "
+    "decode autoscaler scales on.",
+    ["role"],
+)
 TARGET_BATCH = Gauge(
     "pdserve:target_batch_size",
     "Sequences the running batch (reservations included) takes now: the largest batch whose "

@@ -147,6 +147,8 @@ def load_snapshot(st: EngineStats, role: str) -> scheduler_pb2.LoadSnapshot:
     metrics.KV_USAGE.labels(role).set(st.kv_usage)
     metrics.KV_FREE.labels(role).set(st.free_blocks)
     metrics.TARGET_BATCH.labels(role).set(st.target_batch)
+    on_worker = st.running + st.held + st.waiting
+    metrics.BATCH_TARGET_USAGE.labels(role).set(on_worker / max(1, st.target_batch))
     metrics.ITL_TARGET.labels(role).set(st.itl_target_s)
     return scheduler_pb2.LoadSnapshot(
         running_requests=st.running + st.held,

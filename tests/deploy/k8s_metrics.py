@@ -147,8 +147,8 @@ def _bounds(series: str, target: Service, services: dict[str, Service]) -> tuple
         return cap, "the scheduler refuses placements past --max-queued-prompt-tokens"
     if series == "pdserve:kv_cache_usage_perc":
         return 1.0, "it is a fraction of the KV pool"
-    if series == "pdserve:num_requests_running":
-        return target.cfg.engine.max_num_seqs, "the batch holds --max-num-seqs"
+    if series == "pdserve:batch_target_usage_perc":
+        return 1.0, "past 1 sequences wait for the batch target"
     raise Problem(f"no known bound for an HPA target on {series}")
 
 

@@ -220,7 +220,7 @@ def test_adapter_rules_serve_exported_series(adapter_config: dict[str, Any]) -> 
     assert {r.metric for r in rules} == {
         "pdserve_num_prompt_tokens_waiting",
         "pdserve_kv_cache_usage_perc",
-        "pdserve_num_requests_running",
+        "pdserve_batch_target_usage_perc",
     }
     assert check_adapter(rules, worker_series()) == []
 
@@ -517,8 +517,8 @@ HPA_MUTATIONS: dict[str, tuple[Callable[[Objects], None], str]] = {
         "--max-queued-prompt-tokens"),
     "kv target above one": (
         _hpa_metric("decode", 0, "pods.target.averageValue", "2"), "fraction"),
-    "running target above the batch": (
-        _hpa_metric("decode", 1, "pods.target.averageValue", "64"), "--max-num-seqs"),
+    "batch target usage target at one": (
+        _hpa_metric("decode", 1, "pods.target.averageValue", "1"), "sequences wait"),
     "utilization target": (
         _hpa_metric("decode", 1, "pods.target", {"type": "Value", "value": "48"}),
         "AverageValue"),

@@ -45,6 +45,8 @@ def test_the_batch_target_and_itl_target_go_out_with_the_load() -> None:
         snap = load_snapshot(stats, "decode")
         assert snap.target_batch == target_batch
         assert _gauge("pdserve:target_batch_size", "decode") == target_batch
+        # 2 running + 1 reserved, per sequence of the target
+        assert _gauge("pdserve:batch_target_usage_perc", "decode") == 3 / target_batch
         assert _gauge("pdserve:itl_target_seconds", "decode") == itl_target_s
 
 
