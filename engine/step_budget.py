@@ -37,8 +37,9 @@ from dataclasses import dataclass
 
 ITL_TARGET_FACTOR = 8.0
 """The default ITL target, in calibrated batch-1 steps. On a CPU a step grows steeply with
-the batch: at 3 the target held a batch below the interference workload's (docs/benchmarks.md,
-"Overload"); at 8 it holds about the batch the overload check passes at."""
+the batch: at 3 the target held a batch below the interference workload's; at 8 it holds
+about the batch the overload check passes at (docs/benchmarks.md, "The decode core does
+decode only")."""
 
 ANCHOR_WEIGHT = 16.0
 """What one calibration point weighs, in served steps."""
